@@ -1,0 +1,150 @@
+"""The broker: a Service-Broker-style message broker on a SQLAlchemy database."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import sqlalchemy as sa
+
+from scheduler_lib.broker import engine as engines
+from scheduler_lib.broker import schema, store, wakeup
+from scheduler_lib.broker.catalog import CatalogOperations
+from scheduler_lib.broker.conversations import ConversationOperations
+from scheduler_lib.broker.transaction import Transaction
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_SIZE = 64 * 1024 * 1024  # bytes of body a message may carry
+TIMER_POLL_INTERVAL = 1.0  # seconds; the timer thread re-reads the soonest deadline this often
+LISTEN_READY_TIMEOUT = 10.0  # seconds to wait for LISTEN before the first receive relies on it
+
+
+class Broker(CatalogOperations, ConversationOperations):
+    """A message broker on one database.
+
+    Every operation is available two ways: on the broker itself, where it runs in a
+    transaction of its own (autocommit, like a statement in SQL Server), and on
+    :meth:`transaction`, where several run atomically::
+
+        with broker.transaction() as tx:
+            messages = tx.receive("TargetQueue", timeout=5)
+            tx.send(messages[0].conversation_handle, "Reply", b"...")
+
+    :param url: SQLAlchemy URL; ``sqlite:///file.db`` (embedded) or ``postgresql://...``
+    :param migrate: apply the schema migrations first (idempotent)
+    :param timers: run the timer thread that fires conversation timers and lifetimes
+        while this broker is open, whether or not anybody waits on those queues
+    :param max_message_size: largest body accepted by SEND, in bytes
+    """
+
+    def __init__(
+        self,
+        url: str | sa.URL = engines.DEFAULT_URL,
+        *,
+        migrate: bool = True,
+        timers: bool = True,
+        max_message_size: int = MAX_MESSAGE_SIZE,
+        engine_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._engine = engines.create_engine(url, **(engine_options or {}))
+        self._store = store.Store(self._engine.dialect.name)
+        self.max_message_size = max_message_size
+        if migrate:
+            schema.migrate(self._engine)
+        self._wakeups = wakeup.Wakeups()
+        self._listener: wakeup.PostgresListener | None = None
+        if self._store.is_postgresql:
+            self._listener = wakeup.PostgresListener(self._engine, self._wakeups)
+        self._closed = threading.Event()
+        self._timer_wakeup = threading.Event()
+        self._timer_thread: threading.Thread | None = None
+        if timers:
+            self._timer_thread = threading.Thread(
+                target=self._run_timers, name="broker-timers", daemon=True
+            )
+            self._timer_thread.start()
+
+    @property
+    def url(self) -> sa.URL:
+        return self._engine.url
+
+    @property
+    def dialect(self) -> str:
+        return self._store.dialect
+
+    def transaction(self) -> Transaction:
+        """A transaction for several operations; use it as a context manager."""
+        return Transaction(self)
+
+    @contextlib.contextmanager
+    def _operation(self) -> Iterator[Transaction]:
+        with Transaction(self) as tx:
+            yield tx
+
+    def close(self) -> None:
+        """Stop the background threads and close the connections."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._timer_wakeup.set()
+        if self._timer_thread is not None:
+            self._timer_thread.join(timeout=5)
+        if self._listener is not None:
+            self._listener.stop()
+        self._engine.dispose()
+
+    def __enter__(self) -> Broker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- used by transactions --------------------------------------------------------
+
+    def _after_commit(self, queues: frozenset[str], timers_changed: bool) -> None:
+        self._wakeups.notify(queues)
+        if timers_changed:
+            self._timer_wakeup.set()
+
+    def _set_waiting(self, queue: str, delta: int) -> None:
+        """Register a PostgreSQL receiver as waiting (senders then NOTIFY)."""
+        assert self._listener is not None
+        if delta > 0:
+            self._listener.wait_ready(LISTEN_READY_TIMEOUT)
+        name = "queue_add_waiter" if delta > 0 else "queue_remove_waiter"
+        with self._engine.begin() as conn:
+            self._store.execute(conn, name, name=queue)
+
+    # --- timers ----------------------------------------------------------------------
+
+    def fire_timers(self) -> int:
+        """Fire every conversation timer and lifetime that is due now.
+
+        The timer thread calls this; it is public for processes that run without it.
+
+        :return: how many fired
+        """
+        with self.transaction() as tx:
+            return tx._fire_due_timers(time.time())
+
+    def _run_timers(self) -> None:
+        while not self._closed.is_set():
+            try:
+                while self.fire_timers():
+                    pass
+                with self._engine.connect() as conn:
+                    deadline = self._store.scalar(conn, "next_deadline")
+                    conn.rollback()
+            except Exception:  # the thread must outlive a passing database error
+                log.warning("timer thread: firing timers failed", exc_info=True)
+                deadline = None
+            sleep = TIMER_POLL_INTERVAL
+            if deadline is not None:
+                sleep = max(0.0, min(sleep, float(deadline) - time.time()))
+            self._timer_wakeup.wait(sleep)
+            self._timer_wakeup.clear()

@@ -1,0 +1,387 @@
+"""Catalog operations: message types, contracts, queues, services.
+
+Written once as a mixin; :class:`~scheduler_lib.broker.transaction.Transaction` runs them
+in the caller's transaction and :class:`~scheduler_lib.broker.broker.Broker` in one of
+their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.models import (
+    SYSTEM_MESSAGE_TYPES,
+    QueueInfo,
+    SentBy,
+    Validation,
+)
+
+if TYPE_CHECKING:
+    from scheduler_lib.broker.transaction import Transaction
+
+_UNSET: Any = object()
+
+
+def _enum(enum_type: Any, value: Any, what: str) -> Any:
+    try:
+        return enum_type(value.upper() if isinstance(value, str) else value)
+    except ValueError:
+        allowed = ", ".join(member.value for member in enum_type)
+        raise exceptions.InvalidArgument(f"{what} must be one of {allowed}; got {value!r}") from None
+
+
+class CatalogOperations:
+    """CREATE / ALTER / DROP of the broker's catalog objects."""
+
+    def _operation(self) -> contextlib.AbstractContextManager[Transaction]:
+        raise NotImplementedError
+
+    # --- message types ---------------------------------------------------------------
+
+    def create_message_type(self, name: str, validation: Validation | str = Validation.NONE) -> None:
+        """CREATE MESSAGE TYPE.
+
+        :param name: the message type's name
+        :param validation: NONE, EMPTY, WELL_FORMED_XML or JSON
+        :raises AlreadyExists: if the name is taken (system message types included)
+        """
+        name = checks.name(name, "message type name")
+        checked = _enum(Validation, validation, "validation")
+        if name in SYSTEM_MESSAGE_TYPES:
+            raise exceptions.AlreadyExists(f"{name!r} is a system message type")
+        with self._operation() as tx:
+            if tx._one("message_type_get", name=name):
+                raise exceptions.AlreadyExists(f"message type {name!r} already exists")
+            tx._execute("message_type_insert", name=name, validation=checked.value, now=time.time())
+
+    def alter_message_type(self, name: str, validation: Validation | str) -> None:
+        """ALTER MESSAGE TYPE ... VALIDATION.
+
+        :raises MessageTypeNotFound: for an unknown name
+        """
+        checked = _enum(Validation, validation, "validation")
+        with self._operation() as tx:
+            if tx._count("message_type_set_validation", name=name, validation=checked.value) == 0:
+                raise exceptions.MessageTypeNotFound(f"message type {name!r} does not exist")
+
+    def drop_message_type(self, name: str) -> None:
+        """DROP MESSAGE TYPE.
+
+        :raises MessageTypeNotFound: for an unknown name
+        :raises InUse: while a contract lists it
+        """
+        with self._operation() as tx:
+            if not tx._one("message_type_get", name=name):
+                raise exceptions.MessageTypeNotFound(f"message type {name!r} does not exist")
+            users = [r["contract_name"] for r in tx._all("message_type_contracts", name=name)]
+            if users:
+                raise exceptions.InUse(
+                    f"message type {name!r} is used by contracts {users}", hint="drop them first"
+                )
+            tx._execute("message_type_delete", name=name)
+
+    def message_types(self) -> dict[str, Validation]:
+        """Every message type with its validation (``sys.service_message_types``)."""
+        with self._operation() as tx:
+            return {
+                r["message_type_name"]: Validation(r["validation"])
+                for r in tx._all("message_type_list")
+            }
+
+    # --- contracts -------------------------------------------------------------------
+
+    def create_contract(self, name: str, message_types: Mapping[str, SentBy | str]) -> None:
+        """CREATE CONTRACT.
+
+        :param name: the contract's name
+        :param message_types: each message type with who sends it: INITIATOR, TARGET or ANY
+        :raises AlreadyExists: if the name is taken
+        :raises MessageTypeNotFound: for an unknown message type
+        """
+        name = checks.name(name, "contract name")
+        if not message_types:
+            raise exceptions.InvalidArgument(f"contract {name!r} needs at least one message type")
+        checked = {
+            checks.name(mt, "message type name"): _enum(SentBy, by, f"sent_by of {mt!r}")
+            for mt, by in message_types.items()
+        }
+        with self._operation() as tx:
+            if tx._one("contract_exists", name=name):
+                raise exceptions.AlreadyExists(f"contract {name!r} already exists")
+            for mt in checked:
+                if mt in SYSTEM_MESSAGE_TYPES:
+                    raise exceptions.InvalidArgument(
+                        f"system message type {mt!r} cannot be listed in a contract"
+                    )
+                if not tx._one("message_type_get", name=mt):
+                    raise exceptions.MessageTypeNotFound(
+                        f"contract {name!r} names message type {mt!r}, which does not exist"
+                    )
+            tx._execute("contract_insert", name=name, now=time.time())
+            for mt, by in checked.items():
+                tx._execute("contract_message_type_insert", contract=name, message_type=mt, sent_by=by.value)
+
+    def contract(self, name: str) -> dict[str, SentBy]:
+        """A contract's message types and who sends each.
+
+        :raises ContractNotFound: for an unknown name
+        """
+        with self._operation() as tx:
+            if not tx._one("contract_exists", name=name):
+                raise exceptions.ContractNotFound(f"contract {name!r} does not exist")
+            return {
+                r["message_type_name"]: SentBy(r["sent_by"])
+                for r in tx._all("contract_message_types", name=name)
+            }
+
+    def drop_contract(self, name: str) -> None:
+        """DROP CONTRACT.
+
+        :raises ContractNotFound: for an unknown name
+        :raises InUse: while a service accepts it or a conversation uses it
+        """
+        with self._operation() as tx:
+            if not tx._one("contract_exists", name=name):
+                raise exceptions.ContractNotFound(f"contract {name!r} does not exist")
+            services = [r["service_name"] for r in tx._all("contract_services", name=name)]
+            if services:
+                raise exceptions.InUse(f"contract {name!r} is accepted by services {services}")
+            if tx._scalar("contract_endpoint_count", name=name):
+                raise exceptions.InUse(
+                    f"contract {name!r} is used by open conversations", hint="end them first"
+                )
+            tx._execute("contract_delete", name=name)
+
+    # --- queues ----------------------------------------------------------------------
+
+    def create_queue(
+        self,
+        name: str,
+        *,
+        status: bool = True,
+        retention: bool = False,
+        activation_status: bool = False,
+        activation_procedure: str | None = None,
+        max_queue_readers: int = 0,
+        execute_as: str | None = None,
+        poison_message_handling: bool = True,
+    ) -> None:
+        """CREATE QUEUE.
+
+        Activation and poison-message settings are stored here; the activation and
+        poison-message runtimes act on them.
+
+        :param status: whether messages can be received (off: receivers get QueueDisabled)
+        :param retention: keep received messages (status 0) until their conversation ends
+        :param activation_status: whether the queue activates readers
+        :param activation_procedure: dotted path of the reader callable
+        :param max_queue_readers: most readers activated at once
+        :param execute_as: identity recorded for activated readers
+        :param poison_message_handling: disable the queue after five rollbacks in a row
+        :raises AlreadyExists: if the name is taken
+        """
+        settings = _queue_settings(
+            name=checks.name(name, "queue name"),
+            status=status,
+            retention=retention,
+            activation_status=activation_status,
+            activation_procedure=activation_procedure,
+            max_readers=max_queue_readers,
+            execute_as=execute_as,
+            poison_message_handling=poison_message_handling,
+        )
+        with self._operation() as tx:
+            if tx._one("queue_get", name=name):
+                raise exceptions.AlreadyExists(f"queue {name!r} already exists")
+            tx._execute("queue_insert", now=time.time(), **settings)
+
+    def alter_queue(
+        self,
+        name: str,
+        *,
+        status: bool = _UNSET,
+        retention: bool = _UNSET,
+        activation_status: bool = _UNSET,
+        activation_procedure: str | None = _UNSET,
+        max_queue_readers: int = _UNSET,
+        execute_as: str | None = _UNSET,
+        poison_message_handling: bool = _UNSET,
+    ) -> QueueInfo:
+        """ALTER QUEUE: change the given settings, keep the others.
+
+        Turning ``status`` on delivers the messages that waited for the queue in the
+        transmission queue.
+
+        :return: the queue's settings after the change
+        :raises QueueNotFound: for an unknown name
+        """
+        with self._operation() as tx:
+            current = tx._queue(name)
+            changes = {
+                "status": status,
+                "retention": retention,
+                "activation_status": activation_status,
+                "activation_procedure": activation_procedure,
+                "max_readers": max_queue_readers,
+                "execute_as": execute_as,
+                "poison_message_handling": poison_message_handling,
+            }
+            merged = {
+                "status": current.is_receive_enabled,
+                "retention": current.is_retention_enabled,
+                "activation_status": current.is_activation_enabled,
+                "activation_procedure": current.activation_procedure,
+                "max_readers": current.max_readers,
+                "execute_as": current.execute_as,
+                "poison_message_handling": current.is_poison_message_handling_enabled,
+            }
+            merged.update({k: v for k, v in changes.items() if v is not _UNSET})
+            settings = _queue_settings(name=name, **merged)
+            tx._execute("queue_update", now=time.time(), **settings)
+            if settings["status"] and not current.is_receive_enabled:
+                tx._execute("transmission_release", queue=name)
+                tx._execute("transmission_delete_queue", queue=name)
+                tx._touched_queues.add(name)
+            return tx._queue(name)
+
+    def queue(self, name: str) -> QueueInfo:
+        """A queue's settings.
+
+        :raises QueueNotFound: for an unknown name
+        """
+        with self._operation() as tx:
+            return tx._queue(name)
+
+    def queues(self) -> list[QueueInfo]:
+        """Every queue (``sys.service_queues``)."""
+        with self._operation() as tx:
+            return [QueueInfo.from_row(r) for r in tx._all("queue_list")]
+
+    def drop_queue(self, name: str) -> None:
+        """DROP QUEUE.
+
+        :raises QueueNotFound: for an unknown name
+        :raises InUse: while a service is bound to it
+        """
+        with self._operation() as tx:
+            tx._queue(name)
+            services = [r["service_name"] for r in tx._all("queue_services", name=name)]
+            if services:
+                raise exceptions.InUse(
+                    f"queue {name!r} is used by services {services}", hint="drop them first"
+                )
+            tx._execute("queue_delete", name=name)
+
+    # --- services --------------------------------------------------------------------
+
+    def create_service(self, name: str, queue: str, contracts: list[str] | tuple[str, ...] = ()) -> None:
+        """CREATE SERVICE ... ON QUEUE ... (contracts).
+
+        :param contracts: contracts the service accepts as a target; an initiator-only
+            service lists none
+        :raises AlreadyExists: if the name is taken
+        :raises QueueNotFound: for an unknown queue
+        :raises ContractNotFound: for an unknown contract
+        """
+        name = checks.name(name, "service name")
+        with self._operation() as tx:
+            if tx._one("service_get", name=name):
+                raise exceptions.AlreadyExists(f"service {name!r} already exists")
+            tx._queue(queue)
+            for contract in dict.fromkeys(contracts):
+                if not tx._one("contract_exists", name=contract):
+                    raise exceptions.ContractNotFound(
+                        f"service {name!r} names contract {contract!r}, which does not exist"
+                    )
+            tx._execute("service_insert", name=name, queue=queue, now=time.time())
+            for contract in dict.fromkeys(contracts):
+                tx._execute("service_contract_insert", name=name, contract=contract)
+
+    def alter_service(
+        self,
+        name: str,
+        *,
+        queue: str | None = None,
+        add_contracts: list[str] | tuple[str, ...] = (),
+        drop_contracts: list[str] | tuple[str, ...] = (),
+    ) -> None:
+        """ALTER SERVICE: move it to another queue (its conversations and messages follow)
+        and/or add and drop accepted contracts.
+
+        :raises ServiceNotFound, QueueNotFound, ContractNotFound: for unknown names
+        """
+        with self._operation() as tx:
+            service = tx._service(name)
+            accepted = {r["contract_name"] for r in tx._all("service_contracts", name=name)}
+            for contract in add_contracts:
+                if not tx._one("contract_exists", name=contract):
+                    raise exceptions.ContractNotFound(f"contract {contract!r} does not exist")
+            for contract in drop_contracts:
+                if contract not in accepted:
+                    raise exceptions.ContractNotFound(
+                        f"service {name!r} does not accept contract {contract!r}"
+                    )
+            if queue is not None and queue != service["queue_name"]:
+                tx._queue(queue)
+                tx._execute("service_set_queue", name=name, queue=queue)
+                tx._execute("service_move_groups", name=name, queue=queue)
+                tx._execute("service_move_endpoints", name=name, queue=queue)
+                tx._execute("service_move_messages", name=name, queue=queue)
+                tx._touched_queues.add(queue)
+            for contract in dict.fromkeys(add_contracts):
+                if contract not in accepted:
+                    tx._execute("service_contract_insert", name=name, contract=contract)
+            for contract in dict.fromkeys(drop_contracts):
+                tx._execute("service_contract_delete", name=name, contract=contract)
+
+    def service(self, name: str) -> dict[str, Any]:
+        """A service: its queue and the contracts it accepts.
+
+        :raises ServiceNotFound: for an unknown name
+        """
+        with self._operation() as tx:
+            row = tx._service(name)
+            contracts = [r["contract_name"] for r in tx._all("service_contracts", name=name)]
+            return {"service_name": name, "queue_name": row["queue_name"], "contracts": contracts}
+
+    def services(self) -> list[dict[str, Any]]:
+        """Every service with its queue."""
+        with self._operation() as tx:
+            return tx._all("service_list")
+
+    def drop_service(self, name: str) -> None:
+        """DROP SERVICE.
+
+        :raises ServiceNotFound: for an unknown name
+        :raises InUse: while conversations of the service exist
+        """
+        with self._operation() as tx:
+            tx._service(name)
+            if tx._scalar("service_endpoint_count", name=name):
+                raise exceptions.InUse(
+                    f"service {name!r} still has conversations", hint="end them first"
+                )
+            tx._execute("service_delete", name=name)
+
+
+def _queue_settings(**settings: Any) -> dict[str, Any]:
+    for flag in ("status", "retention", "activation_status", "poison_message_handling"):
+        if not isinstance(settings[flag], bool):
+            raise exceptions.InvalidArgument(f"queue {flag} must be True or False, got {settings[flag]!r}")
+    max_readers = settings["max_readers"]
+    if isinstance(max_readers, bool) or not isinstance(max_readers, int) or max_readers < 0:
+        raise exceptions.InvalidArgument(f"max_queue_readers must be an integer >= 0, got {max_readers!r}")
+    procedure = settings["activation_procedure"]
+    if procedure is not None and (not isinstance(procedure, str) or not procedure.strip()):
+        raise exceptions.InvalidArgument(
+            f"activation_procedure must be a dotted path or None, got {procedure!r}"
+        )
+    if settings["activation_status"] and not procedure:
+        raise exceptions.InvalidArgument("activation needs an activation_procedure")
+    return settings
+

@@ -1,0 +1,363 @@
+"""Conversation operations: BEGIN DIALOG, SEND, RECEIVE, END CONVERSATION and friends.
+
+Written once as a mixin, like the catalog: run inside the caller's transaction by
+:class:`~scheduler_lib.broker.transaction.Transaction`, in their own by
+:class:`~scheduler_lib.broker.broker.Broker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.models import (
+    DEFAULT,
+    END_DIALOG,
+    ERROR,
+    SYSTEM_MESSAGE_TYPES,
+    ConversationEndpoint,
+    EndpointState,
+    Message,
+    SentBy,
+    Validation,
+)
+
+if TYPE_CHECKING:
+    from scheduler_lib.broker.transaction import Transaction
+
+DEFAULT_PRIORITY = 5  # level of endpoints no priority matches (the priorities issue assigns others)
+SENDABLE_STATES = frozenset({"SO", "SI", "CO"})
+
+
+class ConversationOperations:
+    """Conversations between services, with Service Broker's guarantees."""
+
+    def _operation(self) -> contextlib.AbstractContextManager[Transaction]:
+        raise NotImplementedError
+
+    def begin_dialog(
+        self,
+        from_service: str,
+        to_service: str,
+        contract: str = DEFAULT,
+        *,
+        lifetime: float | None = None,
+        related_conversation: uuid.UUID | str | None = None,
+        related_group: uuid.UUID | str | None = None,
+    ) -> uuid.UUID:
+        """BEGIN DIALOG CONVERSATION.
+
+        Creates the initiator endpoint now; the target endpoint appears with the first
+        message.
+
+        :param from_service: the initiating service
+        :param to_service: the target service; it must accept ``contract``
+        :param contract: the contract the conversation follows
+        :param lifetime: seconds after which both sides get an ``Error`` and sends fail
+        :param related_conversation: join that conversation's group
+        :param related_group: join (or create) the group with this id
+        :return: the initiator's conversation handle
+        """
+        if related_conversation is not None and related_group is not None:
+            raise exceptions.InvalidArgument(
+                "give related_conversation or related_group, not both"
+            )
+        if lifetime is not None:
+            lifetime = checks.timeout(lifetime, "lifetime")
+            if lifetime == 0:
+                raise exceptions.InvalidArgument("lifetime must be greater than 0 seconds")
+        with self._operation() as tx:
+            initiator = tx._service(from_service)
+            tx._service(to_service)
+            if not tx._one("contract_exists", name=contract):
+                raise exceptions.ContractNotFound(f"contract {contract!r} does not exist")
+            if not tx._one("service_accepts", name=to_service, contract=contract):
+                raise exceptions.ServiceContractMismatch(
+                    f"service {to_service!r} does not accept contract {contract!r}",
+                    hint=f"alter_service({to_service!r}, add_contracts=[{contract!r}])",
+                )
+            queue = initiator["queue_name"]
+            now = time.time()
+            if related_conversation is not None:
+                related = tx._endpoint(checks.handle(related_conversation, "related_conversation"))
+                if related.queue_name != queue:
+                    raise exceptions.InvalidArgument(
+                        f"related conversation {related.conversation_handle} is on queue "
+                        f"{related.queue_name!r}, not {queue!r}"
+                    )
+                group_id = str(related.conversation_group_id)
+            elif related_group is not None:
+                group_id = checks.handle(related_group, "related_group")
+                existing = tx._one("group_get", group_id=group_id)
+                if existing and existing["queue_name"] != queue:
+                    raise exceptions.InvalidArgument(
+                        f"conversation group {group_id} belongs to queue "
+                        f"{existing['queue_name']!r}, not {queue!r}"
+                    )
+            else:
+                group_id = str(uuid.uuid4())
+            tx._execute("group_insert", group_id=group_id, queue=queue, now=now)
+            handle = uuid.uuid4()
+            tx._execute(
+                "endpoint_insert",
+                handle=str(handle),
+                conversation_id=str(uuid.uuid4()),
+                is_initiator=True,
+                service=from_service,
+                far_service=to_service,
+                contract=contract,
+                queue=queue,
+                group_id=group_id,
+                state=EndpointState.STARTED_OUTBOUND.value,
+                priority=DEFAULT_PRIORITY,
+                lifetime_expires_at=None if lifetime is None else now + lifetime,
+                now=now,
+            )
+            tx._wrote = True
+            return handle
+
+    def send(
+        self,
+        conversation_handle: uuid.UUID | str,
+        message_type: str = DEFAULT,
+        body: checks.Body = None,
+    ) -> int:
+        """SEND ON CONVERSATION.
+
+        :param conversation_handle: the sending endpoint's handle
+        :param message_type: a message type of the conversation's contract that this side
+            may send
+        :param body: bytes, str (sent as UTF-8) or None
+        :return: the message's sequence number in the conversation
+        :raises ConversationNotFound: for an unknown handle
+        :raises ContractViolation: for a type the contract lacks or this side may not send
+        :raises ConversationStateError: when the conversation was ended or is in error
+        :raises InvalidMessageBody: when the body fails the type's validation
+        :raises MessageTooLarge: when the body exceeds the broker's limit
+        """
+        handle = checks.handle(conversation_handle)
+        message_type = checks.name(message_type, "message type")
+        if message_type in SYSTEM_MESSAGE_TYPES:
+            raise exceptions.InvalidArgument(
+                f"{message_type!r} is a system message type",
+                hint="end_conversation() sends EndDialog and Error",
+            )
+        with self._operation() as tx:
+            data = checks.body_bytes(body, tx._broker.max_message_size)
+            endpoint = tx._endpoint(handle)
+            mt = tx._one("message_type_get", name=message_type)
+            if mt is None:
+                raise exceptions.MessageTypeNotFound(f"message type {message_type!r} does not exist")
+            allowed = {
+                r["message_type_name"]: SentBy(r["sent_by"])
+                for r in tx._all("contract_message_types", name=endpoint.contract_name)
+            }
+            side = SentBy.INITIATOR if endpoint.is_initiator else SentBy.TARGET
+            if message_type not in allowed:
+                raise exceptions.ContractViolation(
+                    f"message type {message_type!r} is not part of contract "
+                    f"{endpoint.contract_name!r}"
+                )
+            if allowed[message_type] not in (side, SentBy.ANY):
+                raise exceptions.ContractViolation(
+                    f"contract {endpoint.contract_name!r} lets only the "
+                    f"{allowed[message_type].value} send {message_type!r}; this endpoint is the "
+                    f"{side.value}"
+                )
+            if endpoint.state.value not in SENDABLE_STATES:
+                raise _state_error(endpoint, "send on")
+            checks.check_body(message_type, Validation(mt["validation"]), data)
+            seq = tx._scalar("endpoint_take_send_sequence", handle=handle)
+            if seq is None:  # the state changed since we read it
+                raise _state_error(tx._endpoint(handle), "send on")
+            far = tx._far_endpoint(endpoint, create=True)
+            assert far is not None
+            tx._deliver(far, int(seq), message_type, data)
+            return int(seq)
+
+    def receive(
+        self,
+        queue: str,
+        top: int = 1,
+        timeout: float | None = None,
+        *,
+        conversation: uuid.UUID | str | None = None,
+        group: uuid.UUID | str | None = None,
+    ) -> list[Message]:
+        """WAITFOR (RECEIVE TOP (n) ... FROM queue), TIMEOUT t.
+
+        Returns messages of one conversation group, locked until the transaction ends:
+        without a filter the highest-priority group nobody else holds; inside it,
+        conversations by priority, then sequence order.
+
+        :param queue: the queue to receive from
+        :param top: most messages to return
+        :param timeout: seconds to wait for messages; ``None`` waits forever, 0 not at all
+        :param conversation: only this conversation's messages
+        :param group: only this conversation group's messages
+        :return: the messages, or ``[]`` when the timeout passed
+        :raises QueueNotFound: for an unknown queue
+        :raises QueueDisabled: when the queue is off, also while waiting
+        """
+        top = checks.positive_int(top, "top")
+        wait = checks.timeout(timeout)
+        if conversation is not None and group is not None:
+            raise exceptions.InvalidArgument("give conversation or group, not both")
+        handle = None if conversation is None else checks.handle(conversation)
+        group_id = None if group is None else checks.handle(group, "conversation group id")
+        with self._operation() as tx:
+            return tx._wait_for(
+                queue, wait, lambda: tx._receive_once(queue, top, handle, group_id), []
+            )
+
+    def get_conversation_group(self, queue: str, timeout: float | None = None) -> uuid.UUID | None:
+        """WAITFOR (GET CONVERSATION GROUP ... FROM queue): lock the next group with
+        messages until the transaction ends.
+
+        :return: the group id, or ``None`` when the timeout passed
+        """
+        wait = checks.timeout(timeout)
+        with self._operation() as tx:
+            return tx._wait_for(queue, wait, lambda: tx._get_group_once(queue), None)
+
+    def move_conversation(self, conversation_handle: uuid.UUID | str, group: uuid.UUID | str) -> None:
+        """MOVE CONVERSATION ... TO group (within the endpoint's queue).
+
+        :raises ConversationGroupNotFound: when the group is not a group of that queue
+        """
+        handle = checks.handle(conversation_handle)
+        group_id = checks.handle(group, "conversation group id")
+        with self._operation() as tx:
+            endpoint = tx._endpoint(handle)
+            target = tx._one("group_get", group_id=group_id)
+            if target is None or target["queue_name"] != endpoint.queue_name:
+                raise exceptions.ConversationGroupNotFound(
+                    f"conversation group {group_id} is not a group of queue {endpoint.queue_name!r}"
+                )
+            old = str(endpoint.conversation_group_id)
+            if old == group_id:
+                return
+            tx._execute("endpoint_move", handle=handle, group_id=group_id)
+            tx._execute("messages_move", handle=handle, group_id=group_id)
+            tx._execute("group_delete_if_empty", group_id=old)
+            tx._wrote = True
+
+    def end_conversation(
+        self,
+        conversation_handle: uuid.UUID | str,
+        error: int | None = None,
+        description: str | None = None,
+        *,
+        cleanup: bool = False,
+    ) -> None:
+        """END CONVERSATION [WITH ERROR = code DESCRIPTION = text | WITH CLEANUP].
+
+        Removes the conversation's messages from the local queue and tells the far side
+        with ``EndDialog`` (or ``Error``); the far side must end its endpoint too. With
+        ``cleanup`` the local endpoint just disappears and nobody is told.
+
+        :raises ConversationNotFound: for an unknown (or already closed) handle
+        :raises ConversationStateError: when this side already ended it
+        """
+        handle = checks.handle(conversation_handle)
+        if error is not None:
+            if isinstance(error, bool) or not isinstance(error, int) or error <= 0:
+                raise exceptions.InvalidArgument(f"error must be a positive integer, got {error!r}")
+            if not isinstance(description, str) or not description:
+                raise exceptions.InvalidArgument("an error needs a non-empty description")
+        elif description is not None:
+            raise exceptions.InvalidArgument("description is only allowed with an error code")
+        with self._operation() as tx:
+            endpoint = tx._endpoint(handle)
+            tx._wrote = True
+            if cleanup:
+                tx._close(endpoint)
+                return
+            state = endpoint.state
+            if state is EndpointState.DISCONNECTED_OUTBOUND:
+                raise _state_error(endpoint, "end")
+            far = tx._far_endpoint(endpoint, create=False)
+            if state in (EndpointState.DISCONNECTED_INBOUND, EndpointState.ERROR) or far is None:
+                # The far side already ended (or never existed): we are the last to leave.
+                tx._close(endpoint)
+                if far is not None and far.state is EndpointState.DISCONNECTED_OUTBOUND:
+                    tx._close(far)
+                return
+            tx._execute("messages_delete_conversation", handle=handle)
+            tx._execute("transmission_delete_conversation", handle=handle)
+            if far.state is EndpointState.DISCONNECTED_OUTBOUND:
+                tx._close(far)
+                tx._close(endpoint)
+                return
+            seq = tx._scalar("endpoint_take_system_sequence", handle=handle)
+            if error is None:
+                tx._deliver(far, int(seq), END_DIALOG, None)
+                far_state = EndpointState.DISCONNECTED_INBOUND
+            else:
+                body = json.dumps({"code": error, "description": description}).encode()
+                tx._deliver(far, int(seq), ERROR, body)
+                far_state = EndpointState.ERROR
+            tx._execute("endpoint_set_state", handle=str(far.conversation_handle), state=far_state.value)
+            tx._execute(
+                "endpoint_set_state", handle=handle, state=EndpointState.DISCONNECTED_OUTBOUND.value
+            )
+
+    def begin_conversation_timer(self, conversation_handle: uuid.UUID | str, timeout: float) -> None:
+        """BEGIN CONVERSATION TIMER: a ``DialogTimer`` message arrives on the local queue
+        after ``timeout`` seconds, whether or not anybody is waiting. A new call replaces
+        the endpoint's timer.
+        """
+        handle = checks.handle(conversation_handle)
+        seconds = checks.timeout(timeout)
+        if seconds is None:
+            raise exceptions.InvalidArgument("a conversation timer needs a timeout in seconds")
+        with self._operation() as tx:
+            endpoint = tx._endpoint(handle)
+            if endpoint.state in (EndpointState.CLOSED, EndpointState.DISCONNECTED_OUTBOUND):
+                raise _state_error(endpoint, "set a timer on")
+            tx._execute("endpoint_set_timer", handle=handle, due=time.time() + seconds)
+            tx._timers_changed = True
+            tx._wrote = True
+
+    def conversation_endpoint(self, conversation_handle: uuid.UUID | str) -> ConversationEndpoint:
+        """One endpoint (a row of ``sys.conversation_endpoints``).
+
+        :raises ConversationNotFound: for an unknown handle
+        """
+        handle = checks.handle(conversation_handle)
+        with self._operation() as tx:
+            return tx._endpoint(handle)
+
+    def conversation_endpoints(self) -> list[ConversationEndpoint]:
+        """Every endpoint (``sys.conversation_endpoints``)."""
+        with self._operation() as tx:
+            return [ConversationEndpoint.from_row(r) for r in tx._all("endpoint_list")]
+
+    def peek(self, queue: str) -> list[Message]:
+        """The queue's rows without receiving them (``SELECT * FROM queue``)."""
+        with self._operation() as tx:
+            tx._queue(queue)
+            return [Message.from_row(r) for r in tx._all("queue_peek", name=queue)]
+
+    def transmission_queue(self) -> list[dict[str, object]]:
+        """Messages waiting to be delivered (``sys.transmission_queue``)."""
+        with self._operation() as tx:
+            return tx._all("transmission_list")
+
+
+def _state_error(endpoint: ConversationEndpoint, action: str) -> exceptions.ConversationStateError:
+    reasons = {
+        EndpointState.DISCONNECTED_INBOUND: "the far side ended it; end it here too",
+        EndpointState.DISCONNECTED_OUTBOUND: "this side already ended it",
+        EndpointState.ERROR: "it is in error (an Error message arrived or its lifetime expired)",
+        EndpointState.CLOSED: "it is closed",
+    }
+    reason = reasons.get(endpoint.state, f"its state is {endpoint.state.name}")
+    return exceptions.ConversationStateError(
+        f"cannot {action} conversation {endpoint.conversation_handle}: {reason}"
+    )

@@ -1,0 +1,86 @@
+"""Creating the SQLAlchemy engine for a broker URL, with each backend's settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine, make_url
+
+from scheduler_lib.broker import exceptions
+
+DEFAULT_URL = "sqlite:///scheduler_lib.db"
+SQLITE_BUSY_TIMEOUT = 60  # seconds a writer waits for SQLite's write lock
+POOL_SIZE = 10  # connections kept per process on PostgreSQL
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Parse a broker URL; ``postgresql://`` means psycopg 3.
+
+    :param url: a SQLAlchemy URL
+    :raises InvalidArgument: for an unparsable URL, an unsupported backend or an
+        in-memory SQLite database (each connection would see a different one)
+    """
+    try:
+        parsed = make_url(url)
+    except Exception as exc:
+        raise exceptions.InvalidArgument(f"not a database URL: {url!r} ({exc})") from None
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        if parsed.drivername == "postgresql":
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        elif parsed.drivername != "postgresql+psycopg":
+            raise exceptions.InvalidArgument(
+                f"unsupported PostgreSQL driver {parsed.drivername!r}",
+                hint="use postgresql:// or postgresql+psycopg://",
+            )
+    elif backend == "sqlite":
+        if parsed.database in (None, "", ":memory:") or (parsed.database or "").startswith(
+            "file::memory:"
+        ):
+            raise exceptions.InvalidArgument(
+                "an in-memory SQLite database cannot be shared by the broker's connections",
+                hint="use a file, e.g. sqlite:///scheduler_lib.db",
+            )
+    else:
+        raise exceptions.InvalidArgument(
+            f"unsupported database backend {backend!r}", hint="use sqlite:/// or postgresql://"
+        )
+    return parsed
+
+
+def create_engine(url: str | URL, **kwargs: Any) -> Engine:
+    """An engine configured for the broker.
+
+    SQLite: WAL, full fsync, foreign keys, and ``BEGIN IMMEDIATE`` for every transaction so
+    a transaction holds the write lock from its first statement: SQLAlchemy renders no
+    ``FOR UPDATE`` there, and this lock is what makes RECEIVE's group lock correct across
+    processes.
+
+    :param url: the database URL
+    :param kwargs: passed to :func:`sqlalchemy.create_engine`
+    """
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        connect_args = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT}
+        engine = sa.create_engine(parsed, connect_args=connect_args, **kwargs)
+
+        @sa.event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=FULL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT * 1000}")
+            cursor.close()
+
+        @sa.event.listens_for(engine, "begin")
+        def _on_begin(connection: sa.Connection) -> None:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    kwargs.setdefault("pool_size", POOL_SIZE)
+    kwargs.setdefault("max_overflow", POOL_SIZE)
+    kwargs.setdefault("pool_pre_ping", True)
+    return sa.create_engine(parsed, **kwargs)

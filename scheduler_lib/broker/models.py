@@ -1,0 +1,178 @@
+"""Frozen values the broker hands out, and the enums that name its states."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+
+class Validation(str, enum.Enum):
+    """How a message type's bodies are checked on SEND."""
+
+    NONE = "NONE"
+    EMPTY = "EMPTY"
+    WELL_FORMED_XML = "WELL_FORMED_XML"
+    JSON = "JSON"
+
+
+class SentBy(str, enum.Enum):
+    """Which side of a conversation may send a message type under a contract."""
+
+    INITIATOR = "INITIATOR"
+    TARGET = "TARGET"
+    ANY = "ANY"
+
+
+class EndpointState(str, enum.Enum):
+    """Conversation endpoint states, with SQL Server's two-letter codes."""
+
+    STARTED_OUTBOUND = "SO"  # initiator: began, nothing received yet
+    STARTED_INBOUND = "SI"  # target: first message arrived, nothing sent yet
+    CONVERSING = "CO"
+    DISCONNECTED_INBOUND = "DI"  # the far side ended; this side must end too
+    DISCONNECTED_OUTBOUND = "DO"  # this side ended; waiting for the far side
+    ERROR = "ER"
+    CLOSED = "CD"
+
+
+class MessageStatus(enum.IntEnum):
+    """Status of a row in a queue (values as in SQL Server's queue views)."""
+
+    RECEIVED = 0  # kept by RETENTION after it was received
+    READY = 1
+    RETAINED_SENT = 3  # kept by RETENTION on the sending side
+
+
+# System message types, as SQL Server names them (without the schema URI prefix).
+END_DIALOG = "EndDialog"
+ERROR = "Error"
+DIALOG_TIMER = "DialogTimer"
+SYSTEM_MESSAGE_TYPES = frozenset({END_DIALOG, ERROR, DIALOG_TIMER})
+
+DEFAULT = "DEFAULT"  # the DEFAULT message type and contract every broker has
+ANY = None  # wildcard in priority matching (used by the priorities issue)
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One received message."""
+
+    queue_name: str
+    conversation_group_id: uuid.UUID
+    conversation_handle: uuid.UUID
+    message_sequence_number: int
+    message_type_name: str
+    body: bytes | None
+    priority: int
+    service_name: str
+    service_contract_name: str
+    enqueued_at: float  # seconds since the epoch, UTC
+    status: MessageStatus = MessageStatus.READY
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Message:
+        body = row["message_body"]
+        return cls(
+            queue_name=row["queue_name"],
+            conversation_group_id=uuid.UUID(row["conversation_group_id"]),
+            conversation_handle=uuid.UUID(row["conversation_handle"]),
+            message_sequence_number=int(row["message_sequence_number"]),
+            message_type_name=row["message_type_name"],
+            body=bytes(body) if body is not None else None,
+            priority=int(row["priority"]),
+            service_name=row["service_name"],
+            service_contract_name=row["service_contract_name"],
+            enqueued_at=float(row["enqueued_at"]),
+            status=MessageStatus(int(row["status"])),
+        )
+
+    @property
+    def text(self) -> str | None:
+        """The body decoded as UTF-8."""
+        return None if self.body is None else self.body.decode("utf-8")
+
+    def json(self) -> Any:
+        """The body parsed as JSON."""
+        return None if self.body is None else json.loads(self.body)
+
+    @property
+    def is_system(self) -> bool:
+        return self.message_type_name in SYSTEM_MESSAGE_TYPES
+
+    @property
+    def error(self) -> tuple[int, str] | None:
+        """``(code, description)`` of an ``Error`` message, else ``None``."""
+        if self.message_type_name != ERROR or self.body is None:
+            return None
+        data = json.loads(self.body)
+        return int(data["code"]), str(data["description"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversationEndpoint:
+    """One side of a conversation, as ``sys.conversation_endpoints`` shows it."""
+
+    conversation_handle: uuid.UUID
+    conversation_id: uuid.UUID
+    is_initiator: bool
+    service_name: str
+    far_service_name: str
+    contract_name: str
+    queue_name: str
+    conversation_group_id: uuid.UUID
+    state: EndpointState
+    priority: int
+    send_sequence: int
+    receive_sequence: int
+    lifetime_expires_at: float | None
+    timer_due_at: float | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> ConversationEndpoint:
+        return cls(
+            conversation_handle=uuid.UUID(row["conversation_handle"]),
+            conversation_id=uuid.UUID(row["conversation_id"]),
+            is_initiator=bool(row["is_initiator"]),
+            service_name=row["service_name"],
+            far_service_name=row["far_service_name"],
+            contract_name=row["contract_name"],
+            queue_name=row["queue_name"],
+            conversation_group_id=uuid.UUID(row["conversation_group_id"]),
+            state=EndpointState(row["state"]),
+            priority=int(row["priority"]),
+            send_sequence=int(row["send_sequence"]),
+            receive_sequence=int(row["receive_sequence"]),
+            lifetime_expires_at=row["lifetime_expires_at"],
+            timer_due_at=row["timer_due_at"],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueInfo:
+    """A queue's settings, as ``sys.service_queues`` shows them."""
+
+    name: str
+    is_receive_enabled: bool
+    is_retention_enabled: bool
+    is_activation_enabled: bool
+    activation_procedure: str | None
+    max_readers: int
+    execute_as: str | None
+    is_poison_message_handling_enabled: bool
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> QueueInfo:
+        return cls(
+            name=row["queue_name"],
+            is_receive_enabled=bool(row["is_receive_enabled"]),
+            is_retention_enabled=bool(row["is_retention_enabled"]),
+            is_activation_enabled=bool(row["is_activation_enabled"]),
+            activation_procedure=row["activation_procedure"],
+            max_readers=int(row["max_readers"]),
+            execute_as=row["execute_as"],
+            is_poison_message_handling_enabled=bool(row["is_poison_message_handling_enabled"]),
+        )

@@ -1,0 +1,52 @@
+"""Loads the broker's named SQL queries from the package, once per dialect."""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+
+from sqlalchemy import TextClause, text
+
+_HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+def parse(source: str) -> dict[str, str]:
+    """Split a file of ``-- name: x`` blocks into ``{name: sql}`` (comments dropped).
+
+    :param source: the file's text
+    :return: the queries by name, each without its header, description or trailing ``;``
+    """
+    queries: dict[str, str] = {}
+    parts = _HEADER.split(source)
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
+        sql = "\n".join(lines).strip().rstrip(";").strip()
+        if not sql:
+            raise ValueError(f"query {name!r} has no SQL")
+        if name in queries:
+            raise ValueError(f"query {name!r} is defined twice")
+        queries[name] = sql
+    return queries
+
+
+def _read(filename: str) -> str:
+    return (importlib.resources.files("scheduler_lib.broker") / "sql" / filename).read_text()
+
+
+@functools.cache
+def for_dialect(dialect: str) -> dict[str, TextClause]:
+    """The queries for a dialect: the common file with the dialect's overrides on top.
+
+    :param dialect: SQLAlchemy dialect name (``sqlite``, ``postgresql``)
+    """
+    queries = parse(_read("queries.sql"))
+    try:
+        overrides = parse(_read(f"queries_{dialect}.sql"))
+    except FileNotFoundError:
+        overrides = {}
+    unknown = set(overrides) - set(queries)
+    if unknown:
+        raise ValueError(f"overrides for unknown queries: {sorted(unknown)}")
+    queries.update(overrides)
+    return {name: text(sql) for name, sql in queries.items()}

@@ -1,0 +1,429 @@
+-- Named queries of the broker. Each starts with "-- name: <name>" and a one-line
+-- description. Binds use SQLAlchemy's ":name" style so one text serves SQLite and
+-- PostgreSQL; queries_postgresql.sql overrides a few where PostgreSQL can do better.
+
+-- name: message_type_insert
+-- Create a message type.
+INSERT INTO message_types (message_type_name, validation, created_at)
+VALUES (:name, :validation, :now);
+
+-- name: message_type_get
+-- One message type.
+SELECT message_type_name, validation FROM message_types WHERE message_type_name = :name;
+
+-- name: message_type_list
+-- All message types.
+SELECT message_type_name, validation FROM message_types ORDER BY message_type_name;
+
+-- name: message_type_set_validation
+-- ALTER MESSAGE TYPE ... VALIDATION.
+UPDATE message_types SET validation = :validation WHERE message_type_name = :name;
+
+-- name: message_type_contracts
+-- Contracts that use a message type.
+SELECT contract_name FROM contract_message_types WHERE message_type_name = :name
+ORDER BY contract_name;
+
+-- name: message_type_delete
+-- Drop a message type.
+DELETE FROM message_types WHERE message_type_name = :name;
+
+-- name: contract_insert
+-- Create a contract.
+INSERT INTO contracts (contract_name, created_at) VALUES (:name, :now);
+
+-- name: contract_message_type_insert
+-- Allow a message type on a contract, sent by one side or both.
+INSERT INTO contract_message_types (contract_name, message_type_name, sent_by)
+VALUES (:contract, :message_type, :sent_by);
+
+-- name: contract_message_types
+-- The message types of a contract; an empty result for an unknown contract.
+SELECT message_type_name, sent_by FROM contract_message_types WHERE contract_name = :name
+ORDER BY message_type_name;
+
+-- name: contract_exists
+-- Whether a contract exists.
+SELECT 1 FROM contracts WHERE contract_name = :name;
+
+-- name: contract_list
+-- All contracts.
+SELECT contract_name FROM contracts ORDER BY contract_name;
+
+-- name: contract_services
+-- Services that accept a contract.
+SELECT service_name FROM service_contracts WHERE contract_name = :name ORDER BY service_name;
+
+-- name: contract_endpoint_count
+-- Conversations that still use a contract.
+SELECT count(*) FROM conversation_endpoints WHERE contract_name = :name;
+
+-- name: contract_delete
+-- Drop a contract (its message type rows go with it).
+DELETE FROM contracts WHERE contract_name = :name;
+
+-- name: queue_insert
+-- Create a queue.
+INSERT INTO queues (
+    queue_name, is_receive_enabled, is_retention_enabled, is_activation_enabled,
+    activation_procedure, max_readers, execute_as, is_poison_message_handling_enabled,
+    waiting_receivers, created_at, modified_at
+) VALUES (
+    :name, :status, :retention, :activation_status, :activation_procedure, :max_readers,
+    :execute_as, :poison_message_handling, 0, :now, :now
+);
+
+-- name: queue_get
+-- One queue's settings.
+SELECT * FROM queues WHERE queue_name = :name;
+
+-- name: queue_list
+-- All queues.
+SELECT * FROM queues ORDER BY queue_name;
+
+-- name: queue_update
+-- ALTER QUEUE: write every setting (the caller merged the changes).
+UPDATE queues SET
+    is_receive_enabled = :status,
+    is_retention_enabled = :retention,
+    is_activation_enabled = :activation_status,
+    activation_procedure = :activation_procedure,
+    max_readers = :max_readers,
+    execute_as = :execute_as,
+    is_poison_message_handling_enabled = :poison_message_handling,
+    modified_at = :now
+WHERE queue_name = :name;
+
+-- name: queue_services
+-- Services bound to a queue.
+SELECT service_name FROM services WHERE queue_name = :name ORDER BY service_name;
+
+-- name: queue_delete
+-- Drop a queue.
+DELETE FROM queues WHERE queue_name = :name;
+
+-- name: queue_add_waiter
+-- A receiver starts to wait on the queue (PostgreSQL senders NOTIFY only when > 0).
+UPDATE queues SET waiting_receivers = waiting_receivers + 1 WHERE queue_name = :name;
+
+-- name: queue_remove_waiter
+-- A receiver stops waiting.
+UPDATE queues SET waiting_receivers = CASE WHEN waiting_receivers > 0
+    THEN waiting_receivers - 1 ELSE 0 END WHERE queue_name = :name;
+
+-- name: queue_notify
+-- Wake receivers waiting on a queue; a no-op on SQLite (its wakeups are in-process).
+SELECT 1 WHERE 1 = 0;
+
+-- name: queue_message_counts
+-- Ready and retained messages of a queue.
+SELECT
+    coalesce(sum(CASE WHEN status = 1 THEN 1 ELSE 0 END), 0) AS ready,
+    coalesce(sum(CASE WHEN status <> 1 THEN 1 ELSE 0 END), 0) AS retained
+FROM queue_messages WHERE queue_name = :name;
+
+-- name: queue_has_ready
+-- Whether a queue has a ready message (cheap check before taking the write lock).
+SELECT 1 FROM queue_messages WHERE queue_name = :name AND status = 1 LIMIT 1;
+
+-- name: queue_peek
+-- The queue's rows without receiving them (SELECT * FROM queue).
+SELECT * FROM queue_messages WHERE queue_name = :name
+ORDER BY priority DESC, conversation_group_id, conversation_handle, message_sequence_number;
+
+-- name: service_insert
+-- Create a service on a queue.
+INSERT INTO services (service_name, queue_name, created_at) VALUES (:name, :queue, :now);
+
+-- name: service_contract_insert
+-- A service accepts a contract as target.
+INSERT INTO service_contracts (service_name, contract_name) VALUES (:name, :contract);
+
+-- name: service_contract_delete
+-- A service no longer accepts a contract.
+DELETE FROM service_contracts WHERE service_name = :name AND contract_name = :contract;
+
+-- name: service_get
+-- One service.
+SELECT service_name, queue_name FROM services WHERE service_name = :name;
+
+-- name: service_list
+-- All services.
+SELECT service_name, queue_name FROM services ORDER BY service_name;
+
+-- name: service_contracts
+-- Contracts a service accepts.
+SELECT contract_name FROM service_contracts WHERE service_name = :name ORDER BY contract_name;
+
+-- name: service_accepts
+-- Whether a service accepts a contract.
+SELECT 1 FROM service_contracts WHERE service_name = :name AND contract_name = :contract;
+
+-- name: service_endpoint_count
+-- Conversation endpoints that belong to a service.
+SELECT count(*) FROM conversation_endpoints WHERE service_name = :name;
+
+-- name: service_set_queue
+-- ALTER SERVICE ... ON QUEUE.
+UPDATE services SET queue_name = :queue WHERE service_name = :name;
+
+-- name: service_move_endpoints
+-- ALTER SERVICE ... ON QUEUE moves the service's conversations to the new queue.
+UPDATE conversation_endpoints SET queue_name = :queue WHERE service_name = :name;
+
+-- name: service_move_messages
+-- ... and their messages.
+UPDATE queue_messages SET queue_name = :queue WHERE service_name = :name;
+
+-- name: service_move_groups
+-- ... and their groups.
+UPDATE conversation_groups SET queue_name = :queue
+WHERE conversation_group_id IN (
+    SELECT conversation_group_id FROM conversation_endpoints WHERE service_name = :name
+);
+
+-- name: service_delete
+-- Drop a service.
+DELETE FROM services WHERE service_name = :name;
+
+-- name: group_insert
+-- Create a conversation group (idempotent: RELATED_CONVERSATION_GROUP may name a new one).
+INSERT INTO conversation_groups (conversation_group_id, queue_name, created_at)
+VALUES (:group_id, :queue, :now)
+ON CONFLICT (conversation_group_id) DO NOTHING;
+
+-- name: group_get
+-- One conversation group.
+SELECT conversation_group_id, queue_name FROM conversation_groups
+WHERE conversation_group_id = :group_id;
+
+-- name: group_delete_if_empty
+-- Drop a group once no endpoint belongs to it.
+DELETE FROM conversation_groups WHERE conversation_group_id = :group_id
+AND NOT EXISTS (
+    SELECT 1 FROM conversation_endpoints e WHERE e.conversation_group_id = :group_id
+);
+
+-- name: endpoint_insert
+-- Create a conversation endpoint.
+INSERT INTO conversation_endpoints (
+    conversation_handle, conversation_id, is_initiator, service_name, far_service_name,
+    contract_name, queue_name, conversation_group_id, state, priority, send_sequence,
+    receive_sequence, lifetime_expires_at, timer_due_at, created_at
+) VALUES (
+    :handle, :conversation_id, :is_initiator, :service, :far_service, :contract, :queue,
+    :group_id, :state, :priority, 0, 0, :lifetime_expires_at, NULL, :now
+);
+
+-- name: endpoint_get
+-- One endpoint by handle.
+SELECT * FROM conversation_endpoints WHERE conversation_handle = :handle;
+
+-- name: endpoint_far
+-- The other endpoint of a conversation.
+SELECT * FROM conversation_endpoints
+WHERE conversation_id = :conversation_id AND is_initiator <> :is_initiator;
+
+-- name: endpoint_list
+-- Every endpoint (sys.conversation_endpoints).
+SELECT * FROM conversation_endpoints ORDER BY created_at, conversation_handle;
+
+-- name: endpoint_take_send_sequence
+-- Assign the next sequence number; refuses (no row) unless the state allows sending.
+UPDATE conversation_endpoints
+SET send_sequence = send_sequence + 1,
+    state = CASE WHEN state = 'SI' THEN 'CO' ELSE state END
+WHERE conversation_handle = :handle AND state IN ('SO', 'SI', 'CO')
+RETURNING send_sequence - 1 AS message_sequence_number;
+
+-- name: endpoint_take_system_sequence
+-- Sequence number for EndDialog / Error, sent from any state but closed.
+UPDATE conversation_endpoints SET send_sequence = send_sequence + 1
+WHERE conversation_handle = :handle
+RETURNING send_sequence - 1 AS message_sequence_number;
+
+-- name: endpoint_accept
+-- Accept message number :seq at the receiving endpoint, exactly once and in order:
+-- no row back means a duplicate (or a gap), and the message is dropped.
+UPDATE conversation_endpoints
+SET receive_sequence = receive_sequence + 1,
+    state = CASE WHEN state = 'SO' THEN 'CO' ELSE state END
+WHERE conversation_handle = :handle AND receive_sequence = :seq
+RETURNING queue_name, conversation_group_id, priority, service_name, contract_name;
+
+-- name: endpoint_set_state
+-- Move an endpoint to a state.
+UPDATE conversation_endpoints SET state = :state WHERE conversation_handle = :handle;
+
+-- name: endpoint_set_timer
+-- BEGIN CONVERSATION TIMER: one timer per endpoint, a new call replaces it.
+UPDATE conversation_endpoints SET timer_due_at = :due WHERE conversation_handle = :handle;
+
+-- name: endpoint_delete
+-- Remove an endpoint.
+DELETE FROM conversation_endpoints WHERE conversation_handle = :handle;
+
+-- name: endpoint_move
+-- MOVE CONVERSATION: the endpoint joins another group.
+UPDATE conversation_endpoints SET conversation_group_id = :group_id
+WHERE conversation_handle = :handle;
+
+-- name: message_insert
+-- Put a message on a queue.
+INSERT INTO queue_messages (
+    queue_name, conversation_group_id, conversation_handle, message_sequence_number,
+    message_type_name, message_body, priority, status, service_name, service_contract_name,
+    enqueued_at
+) VALUES (
+    :queue, :group_id, :handle, :seq, :message_type, :body, :priority, 1, :service,
+    :contract, :now
+);
+
+-- name: messages_move
+-- MOVE CONVERSATION: the conversation's messages follow it.
+UPDATE queue_messages SET conversation_group_id = :group_id WHERE conversation_handle = :handle;
+
+-- name: messages_delete_conversation
+-- END CONVERSATION removes the conversation's messages from the local queue.
+DELETE FROM queue_messages WHERE conversation_handle = :handle;
+
+-- name: transmission_insert
+-- Hold a message whose local target queue is off.
+INSERT INTO transmission_queue (
+    conversation_handle, to_queue_name, conversation_group_id, message_sequence_number,
+    message_type_name, message_body, priority, to_service_name, service_contract_name,
+    enqueued_at, transmission_status
+) VALUES (
+    :handle, :queue, :group_id, :seq, :message_type, :body, :priority, :service, :contract,
+    :now, :transmission_status
+);
+
+-- name: transmission_release
+-- The queue is on again: move its held messages in, in arrival order.
+INSERT INTO queue_messages (
+    queue_name, conversation_group_id, conversation_handle, message_sequence_number,
+    message_type_name, message_body, priority, status, service_name, service_contract_name,
+    enqueued_at
+)
+SELECT to_queue_name, conversation_group_id, conversation_handle, message_sequence_number,
+    message_type_name, message_body, priority, 1, to_service_name, service_contract_name,
+    enqueued_at
+FROM transmission_queue WHERE to_queue_name = :queue ORDER BY message_id;
+
+-- name: transmission_delete_queue
+-- ... and leave the transmission queue.
+DELETE FROM transmission_queue WHERE to_queue_name = :queue;
+
+-- name: transmission_delete_conversation
+-- Ending or cleaning up a conversation drops what it still had in transit.
+DELETE FROM transmission_queue WHERE conversation_handle = :handle;
+
+-- name: transmission_list
+-- sys.transmission_queue.
+SELECT * FROM transmission_queue ORDER BY message_id;
+
+-- name: receive_pick_group
+-- The group of the first ready message in priority order. The write lock that SQLite's
+-- BEGIN IMMEDIATE took is the group lock there.
+SELECT conversation_group_id FROM queue_messages
+WHERE queue_name = :queue AND status = 1
+ORDER BY priority DESC, message_id
+LIMIT 1;
+
+-- name: receive_lock_group
+-- Lock a named group of the queue, if it has ready messages and nobody else holds it.
+SELECT g.conversation_group_id FROM conversation_groups g
+WHERE g.conversation_group_id = :group_id AND g.queue_name = :queue
+AND EXISTS (
+    SELECT 1 FROM queue_messages m
+    WHERE m.conversation_group_id = g.conversation_group_id AND m.status = 1
+);
+
+-- name: receive_lock_conversation
+-- Lock the group of a conversation of the queue, if that conversation has ready messages.
+SELECT g.conversation_group_id FROM conversation_endpoints e
+JOIN conversation_groups g ON g.conversation_group_id = e.conversation_group_id
+WHERE e.conversation_handle = :handle AND e.queue_name = :queue
+AND EXISTS (
+    SELECT 1 FROM queue_messages m
+    WHERE m.conversation_handle = e.conversation_handle AND m.status = 1
+);
+
+-- name: get_group_pick
+-- GET CONVERSATION GROUP: lock the next group with ready messages.
+SELECT conversation_group_id FROM queue_messages
+WHERE queue_name = :queue AND status = 1
+ORDER BY priority DESC, message_id
+LIMIT 1;
+
+-- name: receive_take_group
+-- Take up to :top ready messages of a locked group, in order.
+DELETE FROM queue_messages WHERE message_id IN (
+    SELECT message_id FROM queue_messages
+    WHERE conversation_group_id = :group_id AND status = 1
+    ORDER BY priority DESC, conversation_handle, message_sequence_number
+    LIMIT :top
+)
+RETURNING *;
+
+-- name: receive_take_group_retained
+-- The same on a RETENTION queue: the rows stay, marked received.
+UPDATE queue_messages SET status = 0 WHERE message_id IN (
+    SELECT message_id FROM queue_messages
+    WHERE conversation_group_id = :group_id AND status = 1
+    ORDER BY priority DESC, conversation_handle, message_sequence_number
+    LIMIT :top
+)
+RETURNING *;
+
+-- name: receive_take_conversation
+-- Take up to :top ready messages of one conversation, in order.
+DELETE FROM queue_messages WHERE message_id IN (
+    SELECT message_id FROM queue_messages
+    WHERE conversation_handle = :handle AND status = 1
+    ORDER BY message_sequence_number
+    LIMIT :top
+)
+RETURNING *;
+
+-- name: receive_take_conversation_retained
+-- The same on a RETENTION queue.
+UPDATE queue_messages SET status = 0 WHERE message_id IN (
+    SELECT message_id FROM queue_messages
+    WHERE conversation_handle = :handle AND status = 1
+    ORDER BY message_sequence_number
+    LIMIT :top
+)
+RETURNING *;
+
+-- name: timers_due
+-- Conversation timers that have fired.
+SELECT * FROM conversation_endpoints
+WHERE timer_due_at IS NOT NULL AND timer_due_at <= :now
+ORDER BY timer_due_at
+LIMIT :limit;
+
+-- name: lifetimes_due
+-- Conversations whose lifetime has run out.
+SELECT * FROM conversation_endpoints
+WHERE lifetime_expires_at IS NOT NULL AND state <> 'ER' AND lifetime_expires_at <= :now
+ORDER BY lifetime_expires_at
+LIMIT :limit;
+
+-- name: lifetime_expire
+-- Put an endpoint whose lifetime ran out into the error state; it sends nothing more.
+UPDATE conversation_endpoints SET state = 'ER', timer_due_at = NULL
+WHERE conversation_handle = :handle;
+
+-- name: timer_clear
+-- A fired timer is gone.
+UPDATE conversation_endpoints SET timer_due_at = NULL WHERE conversation_handle = :handle;
+
+-- name: next_deadline
+-- The soonest timer or lifetime expiry, so the timer thread sleeps just long enough.
+SELECT min(t) FROM (
+    SELECT min(timer_due_at) AS t FROM conversation_endpoints WHERE timer_due_at IS NOT NULL
+    UNION ALL
+    SELECT min(lifetime_expires_at) FROM conversation_endpoints
+    WHERE lifetime_expires_at IS NOT NULL AND state <> 'ER'
+) AS deadlines;

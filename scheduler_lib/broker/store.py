@@ -1,0 +1,81 @@
+"""The one door to the database: named queries run on a connection, driver errors wrapped.
+
+Only this module touches a SQLAlchemy ``Connection``'s execute; everything above it calls
+named queries from ``sql/queries*.sql``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+
+from scheduler_lib.broker import exceptions, queries
+
+Row = Mapping[str, Any]
+
+
+class Store:
+    """Runs the broker's named queries for one dialect."""
+
+    def __init__(self, dialect: str) -> None:
+        self.dialect = dialect
+        self._queries = queries.for_dialect(dialect)
+
+    @property
+    def is_postgresql(self) -> bool:
+        return self.dialect == "postgresql"
+
+    def execute(self, conn: sa.Connection, query: str, /, **params: Any) -> sa.CursorResult[Any]:
+        """Run a named query.
+
+        :param conn: the transaction's connection
+        :param query: the query's name in ``sql/queries.sql``
+        :param params: its binds
+        :raises AlreadyExists: on a unique violation
+        :raises DatabaseError: on any other driver error
+        """
+        try:
+            return conn.execute(self._queries[query], params)
+        except sa_exc.IntegrityError as exc:
+            raise _integrity_error(query, exc) from exc
+        except sa_exc.DBAPIError as exc:
+            raise exceptions.DatabaseError(f"{query}: {exc.orig}") from exc
+
+    def one(self, conn: sa.Connection, query: str, /, **params: Any) -> Row | None:
+        """The first row of a named query as a mapping, or ``None``."""
+        row = self.execute(conn, query, **params).mappings().first()
+        return dict(row) if row is not None else None
+
+    def all(self, conn: sa.Connection, query: str, /, **params: Any) -> list[Row]:
+        """Every row of a named query as mappings."""
+        return [dict(row) for row in self.execute(conn, query, **params).mappings()]
+
+    def scalar(self, conn: sa.Connection, query: str, /, **params: Any) -> Any:
+        """The first column of the first row, or ``None``."""
+        return self.execute(conn, query, **params).scalar()
+
+    def count(self, conn: sa.Connection, query: str, /, **params: Any) -> int:
+        """Rows changed by a named statement."""
+        return int(self.execute(conn, query, **params).rowcount)
+
+    def execute_many(self, conn: sa.Connection, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Run a named statement once per parameter set, in one call to the driver."""
+        if rows:
+            try:
+                conn.execute(self._queries[name], list(rows))
+            except sa_exc.IntegrityError as exc:
+                raise _integrity_error(name, exc) from exc
+            except sa_exc.DBAPIError as exc:
+                raise exceptions.DatabaseError(f"{name}: {exc.orig}") from exc
+
+
+def _integrity_error(name: str, exc: sa_exc.IntegrityError) -> exceptions.BrokerError:
+    text = str(exc.orig).lower()
+    if "unique" in text or "duplicate key" in text or "primary key" in text:
+        return exceptions.AlreadyExists(f"{name}: already exists ({exc.orig})")
+    if "foreign key" in text:
+        return exceptions.InUse(f"{name}: still referenced ({exc.orig})")
+    return exceptions.DatabaseError(f"{name}: {exc.orig}")

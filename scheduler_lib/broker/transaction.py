@@ -1,0 +1,337 @@
+"""A broker transaction: every operation inside it commits or rolls back together."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import sqlalchemy as sa
+
+from scheduler_lib.broker import exceptions, wakeup
+from scheduler_lib.broker.catalog import CatalogOperations
+from scheduler_lib.broker.conversations import DEFAULT_PRIORITY, ConversationOperations
+from scheduler_lib.broker.models import (
+    DIALOG_TIMER,
+    ERROR,
+    ConversationEndpoint,
+    EndpointState,
+    Message,
+    QueueInfo,
+)
+from scheduler_lib.broker.store import Row
+
+if TYPE_CHECKING:
+    from scheduler_lib.broker.broker import Broker
+
+T = TypeVar("T")
+
+LIFETIME_EXPIRED_CODE = -8489  # SQL Server's code for "the dialog has exceeded its LIFETIME"
+TIMER_MESSAGE_SEQUENCE = -1  # DialogTimer and lifetime errors are local: no sequence number
+
+
+class Transaction(CatalogOperations, ConversationOperations):
+    """One database transaction. Use as a context manager: it commits on a clean exit and
+    rolls back on an exception, and received messages then return to their queue.
+
+    The connection is taken at the first operation. On SQLite that first statement takes
+    the write lock (``BEGIN IMMEDIATE``); a RECEIVE that waits before the transaction wrote
+    anything gives the lock back while it waits, so senders are never blocked by a waiting
+    receiver.
+    """
+
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+        self._store = broker._store
+        self._connection: sa.Connection | None = None
+        self._wrote = False
+        self._finished = False
+        self._touched_queues: set[str] = set()
+        self._timers_changed = False
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._finished:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.rollback()
+
+    def commit(self) -> None:
+        """Commit, then wake local waiters on the queues that got messages."""
+        self._check_open()
+        self._finished = True
+        conn = self._connection
+        if conn is None:
+            return
+        try:
+            for queue in sorted(self._touched_queues):
+                self._store.execute(conn, "queue_notify", name=queue)
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        finally:
+            conn.close()
+            self._connection = None
+        self._broker._after_commit(frozenset(self._touched_queues), self._timers_changed)
+
+    def rollback(self) -> None:
+        """Roll back: nothing this transaction did remains; received messages are back."""
+        if self._finished:
+            return
+        self._finished = True
+        conn = self._connection
+        if conn is not None:
+            self._connection = None
+            try:
+                conn.rollback()
+            finally:
+                conn.close()
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise exceptions.TransactionError("the transaction has already ended")
+
+    @contextlib.contextmanager
+    def _operation(self) -> Iterator[Transaction]:
+        self._check_open()
+        yield self
+
+    def _conn(self) -> sa.Connection:
+        self._check_open()
+        if self._connection is None:
+            self._connection = self._broker._engine.connect()
+        return self._connection
+
+    def _release_while_idle(self) -> None:
+        """End the database transaction if it did nothing yet (so waiting holds no lock)."""
+        if not self._wrote and self._connection is not None and self._connection.in_transaction():
+            self._connection.rollback()
+
+    # --- the one door, bound to this transaction's connection -------------------------
+
+    def _execute(self, query: str, /, **params: Any) -> sa.CursorResult[Any]:
+        return self._store.execute(self._conn(), query, **params)
+
+    def _one(self, query: str, /, **params: Any) -> Row | None:
+        return self._store.one(self._conn(), query, **params)
+
+    def _all(self, query: str, /, **params: Any) -> list[Row]:
+        return self._store.all(self._conn(), query, **params)
+
+    def _scalar(self, query: str, /, **params: Any) -> Any:
+        return self._store.scalar(self._conn(), query, **params)
+
+    def _count(self, query: str, /, **params: Any) -> int:
+        return self._store.count(self._conn(), query, **params)
+
+    # --- lookups that raise the right NotFound ---------------------------------------
+
+    def _queue(self, name: str) -> QueueInfo:
+        row = self._one("queue_get", name=name)
+        if row is None:
+            raise exceptions.QueueNotFound(f"queue {name!r} does not exist")
+        return QueueInfo.from_row(row)
+
+    def _service(self, name: str) -> Row:
+        row = self._one("service_get", name=name)
+        if row is None:
+            raise exceptions.ServiceNotFound(f"service {name!r} does not exist")
+        return row
+
+    def _endpoint(self, handle: str) -> ConversationEndpoint:
+        row = self._one("endpoint_get", handle=handle)
+        if row is None:
+            raise exceptions.ConversationNotFound(
+                f"conversation handle {handle} does not exist (never began, or already closed)"
+            )
+        return ConversationEndpoint.from_row(row)
+
+    def _far_endpoint(
+        self, endpoint: ConversationEndpoint, *, create: bool
+    ) -> ConversationEndpoint | None:
+        row = self._one(
+            "endpoint_far",
+            conversation_id=str(endpoint.conversation_id),
+            is_initiator=endpoint.is_initiator,
+        )
+        if row is not None:
+            return ConversationEndpoint.from_row(row)
+        if not create or not endpoint.is_initiator:
+            return None
+        # The target endpoint comes into being with the conversation's first message.
+        target = self._service(endpoint.far_service_name)
+        now = time.time()
+        handle, group_id = str(uuid.uuid4()), str(uuid.uuid4())
+        self._execute("group_insert", group_id=group_id, queue=target["queue_name"], now=now)
+        self._execute(
+            "endpoint_insert",
+            handle=handle,
+            conversation_id=str(endpoint.conversation_id),
+            is_initiator=False,
+            service=endpoint.far_service_name,
+            far_service=endpoint.service_name,
+            contract=endpoint.contract_name,
+            queue=target["queue_name"],
+            group_id=group_id,
+            state=EndpointState.STARTED_INBOUND.value,
+            priority=DEFAULT_PRIORITY,
+            lifetime_expires_at=endpoint.lifetime_expires_at,
+            now=now,
+        )
+        return self._endpoint(handle)
+
+    # --- delivery --------------------------------------------------------------------
+
+    def _deliver(
+        self, far: ConversationEndpoint, seq: int, message_type: str, body: bytes | None
+    ) -> bool:
+        """Accept message ``seq`` at endpoint ``far``: exactly once, in order.
+
+        :return: ``False`` when it was a duplicate and was dropped
+        """
+        self._wrote = True
+        accepted = self._one("endpoint_accept", handle=str(far.conversation_handle), seq=seq)
+        if accepted is None:
+            return False
+        self._enqueue(accepted, str(far.conversation_handle), seq, message_type, body)
+        return True
+
+    def _enqueue(
+        self, endpoint: Row, handle: str, seq: int, message_type: str, body: bytes | None
+    ) -> None:
+        """Put a message on the endpoint's queue, or hold it while that queue is off."""
+        queue = self._queue(endpoint["queue_name"])
+        params = {
+            "queue": queue.name,
+            "group_id": endpoint["conversation_group_id"],
+            "handle": handle,
+            "seq": seq,
+            "message_type": message_type,
+            "body": body,
+            "priority": endpoint["priority"],
+            "service": endpoint["service_name"],
+            "contract": endpoint["contract_name"],
+            "now": time.time(),
+        }
+        if queue.is_receive_enabled:
+            self._execute("message_insert", **params)
+            self._touched_queues.add(queue.name)
+        else:
+            self._execute(
+                "transmission_insert",
+                transmission_status=f"target queue {queue.name!r} is disabled",
+                **params,
+            )
+
+    def _close(self, endpoint: ConversationEndpoint) -> None:
+        """Remove an endpoint, its messages and, once empty, its group."""
+        handle = str(endpoint.conversation_handle)
+        self._execute("messages_delete_conversation", handle=handle)
+        self._execute("transmission_delete_conversation", handle=handle)
+        self._execute("endpoint_delete", handle=handle)
+        self._execute("group_delete_if_empty", group_id=str(endpoint.conversation_group_id))
+
+    # --- receiving -------------------------------------------------------------------
+
+    def _receive_once(
+        self, queue: str, top: int, handle: str | None, group_id: str | None
+    ) -> list[Message]:
+        info = self._queue(queue)
+        if not info.is_receive_enabled:
+            raise exceptions.QueueDisabled(f"queue {queue!r} is disabled (status off)")
+        if handle is not None:
+            locked = self._scalar("receive_lock_conversation", queue=queue, handle=handle)
+            if locked is None:
+                return []
+            take = "receive_take_conversation"
+            params: dict[str, Any] = {"handle": handle}
+        else:
+            if group_id is not None:
+                locked = self._scalar("receive_lock_group", queue=queue, group_id=group_id)
+            else:
+                locked = self._scalar("receive_pick_group", queue=queue)
+            if locked is None:
+                return []
+            take = "receive_take_group"
+            params = {"group_id": locked}
+        if info.is_retention_enabled:
+            take += "_retained"
+        rows = self._all(take, top=top, **params)
+        self._wrote = True
+        messages = [Message.from_row(r) for r in rows]
+        messages.sort(
+            key=lambda m: (-m.priority, str(m.conversation_handle), m.message_sequence_number)
+        )
+        return messages
+
+    def _get_group_once(self, queue: str) -> uuid.UUID | None:
+        info = self._queue(queue)
+        if not info.is_receive_enabled:
+            raise exceptions.QueueDisabled(f"queue {queue!r} is disabled (status off)")
+        group_id = self._scalar("get_group_pick", queue=queue)
+        if group_id is None:
+            return None
+        self._wrote = True  # the group stays locked until the transaction ends
+        return uuid.UUID(group_id)
+
+    def _wait_for(
+        self, queue: str, timeout: float | None, attempt: Callable[[], T], empty: T
+    ) -> T:
+        """Run ``attempt`` until it finds something or ``timeout`` passes (WAITFOR)."""
+        broker = self._broker
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiter_registered = False
+        try:
+            while True:
+                seen = broker._wakeups.generation(queue)
+                found = attempt()
+                if found:
+                    return found
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return empty
+                self._release_while_idle()
+                if broker._listener is not None and not waiter_registered:
+                    # Senders NOTIFY only while somebody is registered; look once more
+                    # after registering so a message sent meanwhile is not missed.
+                    broker._set_waiting(queue, +1)
+                    waiter_registered = True
+                    continue
+                poll = (
+                    wakeup.POSTGRESQL_POLL_INTERVAL
+                    if broker._listener is not None
+                    else wakeup.SQLITE_POLL_INTERVAL
+                )
+                broker._wakeups.wait(queue, seen, poll if remaining is None else min(poll, remaining))
+        finally:
+            if waiter_registered:
+                broker._set_waiting(queue, -1)
+
+    # --- timers ----------------------------------------------------------------------
+
+    def _fire_due_timers(self, now: float, limit: int = 100) -> int:
+        """Put ``DialogTimer`` and lifetime ``Error`` messages on their queues."""
+        fired = 0
+        for row in self._all("timers_due", now=now, limit=limit):
+            self._execute("timer_clear", handle=row["conversation_handle"])
+            self._enqueue(row, row["conversation_handle"], TIMER_MESSAGE_SEQUENCE, DIALOG_TIMER, None)
+            fired += 1
+        for row in self._all("lifetimes_due", now=now, limit=limit):
+            self._execute("lifetime_expire", handle=row["conversation_handle"])
+            body = json.dumps(
+                {"code": LIFETIME_EXPIRED_CODE, "description": "The dialog has exceeded its lifetime."}
+            ).encode()
+            self._enqueue(row, row["conversation_handle"], TIMER_MESSAGE_SEQUENCE, ERROR, body)
+            fired += 1
+        self._wrote = self._wrote or fired > 0
+        return fired

@@ -1,0 +1,106 @@
+"""Waking receivers blocked in WAITFOR(RECEIVE) when a message may have arrived.
+
+In-process, a commit that put messages on a queue sets that queue's condition. Across
+processes, PostgreSQL's LISTEN/NOTIFY carries the queue name (senders NOTIFY only while a
+receiver is registered as waiting); SQLite has no such channel, so waiters there wake at
+least every ``SQLITE_POLL_INTERVAL``. Every wait is bounded, so a lost notification costs
+at most ``POSTGRESQL_POLL_INTERVAL``, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+
+import sqlalchemy as sa
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "scheduler_lib_broker"
+SQLITE_POLL_INTERVAL = 0.02  # seconds between re-checks by a waiter on SQLite
+POSTGRESQL_POLL_INTERVAL = 1.0  # seconds; fallback should a NOTIFY be missed
+LISTENER_RECONNECT_DELAY = 1.0  # seconds before the LISTEN connection is reopened
+
+
+class Wakeups:
+    """Per-queue wakeup generations shared by the threads of one process."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._generation: dict[str, int] = defaultdict(int)
+
+    def generation(self, queue: str) -> int:
+        """Take this before checking the queue; pass it to :meth:`wait`."""
+        with self._condition:
+            return self._generation[queue]
+
+    def notify(self, queues: set[str] | frozenset[str] | list[str]) -> None:
+        """Messages may have arrived on these queues."""
+        if not queues:
+            return
+        with self._condition:
+            for queue in queues:
+                self._generation[queue] += 1
+            self._condition.notify_all()
+
+    def notify_all(self) -> None:
+        """Wake every waiter (after a reconnect, when notifications may have been lost)."""
+        with self._condition:
+            for queue in list(self._generation):
+                self._generation[queue] += 1
+            self._condition.notify_all()
+
+    def wait(self, queue: str, seen: int, timeout: float) -> bool:
+        """Block until the queue's generation moves past ``seen`` or ``timeout`` passes.
+
+        :return: whether a notification arrived
+        """
+        deadline = time.monotonic() + timeout
+        with self._condition:
+            while self._generation[queue] == seen:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._condition.wait(remaining)
+            return True
+
+
+class PostgresListener:
+    """A daemon thread that LISTENs on the broker channel and feeds :class:`Wakeups`."""
+
+    def __init__(self, engine: sa.Engine, wakeups: Wakeups) -> None:
+        self._engine = engine
+        self._wakeups = wakeups
+        self._stopped = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="broker-listen", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether LISTEN is in place (so a NOTIFY sent from now on is seen)."""
+        return self._ready.wait(timeout)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import psycopg  # the PostgreSQL driver; only imported on that backend
+
+        url = self._engine.url.set(drivername="postgresql")
+        conninfo = url.render_as_string(hide_password=False)
+        while not self._stopped.is_set():
+            try:
+                with psycopg.connect(conninfo, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    self._ready.set()
+                    self._wakeups.notify_all()  # anything sent while we were away
+                    while not self._stopped.is_set():
+                        for notification in conn.notifies(timeout=0.5):
+                            self._wakeups.notify({notification.payload})
+            except Exception:  # a dropped connection must not kill wakeups for good
+                self._ready.clear()
+                log.warning("LISTEN connection lost; reconnecting", exc_info=True)
+                self._stopped.wait(LISTENER_RECONNECT_DELAY)

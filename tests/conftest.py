@@ -1,0 +1,96 @@
+"""Shared fixtures: a broker on SQLite and on PostgreSQL for every integration test.
+
+PostgreSQL tests make their own uniquely named database and drop it afterwards. Locally
+they skip when no server is reachable; under ``CI`` an unreachable server is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from scheduler_lib.broker import Broker
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "SCHEDULER_LIB_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _postgres_available() -> str | None:
+    engine = sa.create_engine(POSTGRES_ADMIN_URL, connect_args={"connect_timeout": 3})
+    try:
+        with engine.connect():
+            return None
+    except Exception as exc:  # any failure to connect means "no server here"
+        return str(exc).splitlines()[0]
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> str:
+    """The admin URL of a reachable PostgreSQL server (fails under CI when unreachable)."""
+    problem = _postgres_available()
+    if problem is not None:
+        if IN_CI:
+            pytest.fail(f"PostgreSQL is mandatory under CI but unreachable: {problem}")
+        pytest.skip(f"PostgreSQL unreachable: {problem}")
+    return POSTGRES_ADMIN_URL
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
+    name = f"scheduler_lib_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield sa.make_url(postgres_server).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: os.PathLike[str]) -> str:
+    """A fresh SQLite database file for one test."""
+    return f"sqlite:///{os.path.join(tmp_path, 'broker.db')}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """The URL of a fresh database, once per backend."""
+    if request.param == "sqlite":
+        return str(request.getfixturevalue("sqlite_url"))
+    return str(request.getfixturevalue("postgres_url"))
+
+
+@pytest.fixture
+def broker(db_url: str) -> Iterator[Broker]:
+    """A migrated broker on a fresh database, once per backend."""
+    b = Broker(db_url)
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+@pytest.fixture
+def scheduler_catalog(broker: Broker) -> Broker:
+    """The blog's catalog: AsyncSent / AsyncDone on AsyncContract between an initiator
+    service on InitiatorQueue and a target service on TargetQueue."""
+    broker.create_message_type("AsyncSent", "NONE")
+    broker.create_message_type("AsyncDone", "NONE")
+    broker.create_contract("AsyncContract", {"AsyncSent": "INITIATOR", "AsyncDone": "TARGET"})
+    broker.create_queue("InitiatorQueue")
+    broker.create_queue("TargetQueue")
+    broker.create_service("InitiatorService", "InitiatorQueue")
+    broker.create_service("TargetService", "TargetQueue", ["AsyncContract"])
+    return broker
