@@ -32,7 +32,9 @@ def _enum(enum_type: Any, value: Any, what: str) -> Any:
         return enum_type(value.upper() if isinstance(value, str) else value)
     except ValueError:
         allowed = ", ".join(member.value for member in enum_type)
-        raise exceptions.InvalidArgument(f"{what} must be one of {allowed}; got {value!r}") from None
+        raise exceptions.InvalidArgument(
+            f"{what} must be one of {allowed}; got {value!r}"
+        ) from None
 
 
 class CatalogOperations:
@@ -43,7 +45,9 @@ class CatalogOperations:
 
     # --- message types ---------------------------------------------------------------
 
-    def create_message_type(self, name: str, validation: Validation | str = Validation.NONE) -> None:
+    def create_message_type(
+        self, name: str, validation: Validation | str = Validation.NONE
+    ) -> None:
         """CREATE MESSAGE TYPE.
 
         :param name: the message type's name
@@ -124,7 +128,9 @@ class CatalogOperations:
                     )
             tx._execute("contract_insert", name=name, now=time.time())
             for mt, by in checked.items():
-                tx._execute("contract_message_type_insert", contract=name, message_type=mt, sent_by=by.value)
+                tx._execute(
+                    "contract_message_type_insert", contract=name, message_type=mt, sent_by=by.value
+                )
 
     def contract(self, name: str) -> dict[str, SentBy]:
         """A contract's message types and who sends each.
@@ -279,7 +285,9 @@ class CatalogOperations:
 
     # --- services --------------------------------------------------------------------
 
-    def create_service(self, name: str, queue: str, contracts: list[str] | tuple[str, ...] = ()) -> None:
+    def create_service(
+        self, name: str, queue: str, contracts: list[str] | tuple[str, ...] = ()
+    ) -> None:
         """CREATE SERVICE ... ON QUEUE ... (contracts).
 
         :param contracts: contracts the service accepts as a target; an initiator-only
@@ -349,7 +357,7 @@ class CatalogOperations:
             contracts = [r["contract_name"] for r in tx._all("service_contracts", name=name)]
             return {"service_name": name, "queue_name": row["queue_name"], "contracts": contracts}
 
-    def services(self) -> list[dict[str, Any]]:
+    def services(self) -> list[Mapping[str, Any]]:
         """Every service with its queue."""
         with self._operation() as tx:
             return tx._all("service_list")
@@ -372,10 +380,14 @@ class CatalogOperations:
 def _queue_settings(**settings: Any) -> dict[str, Any]:
     for flag in ("status", "retention", "activation_status", "poison_message_handling"):
         if not isinstance(settings[flag], bool):
-            raise exceptions.InvalidArgument(f"queue {flag} must be True or False, got {settings[flag]!r}")
+            raise exceptions.InvalidArgument(
+                f"queue {flag} must be True or False, got {settings[flag]!r}"
+            )
     max_readers = settings["max_readers"]
     if isinstance(max_readers, bool) or not isinstance(max_readers, int) or max_readers < 0:
-        raise exceptions.InvalidArgument(f"max_queue_readers must be an integer >= 0, got {max_readers!r}")
+        raise exceptions.InvalidArgument(
+            f"max_queue_readers must be an integer >= 0, got {max_readers!r}"
+        )
     procedure = settings["activation_procedure"]
     if procedure is not None and (not isinstance(procedure, str) or not procedure.strip()):
         raise exceptions.InvalidArgument(
@@ -384,4 +396,3 @@ def _queue_settings(**settings: Any) -> dict[str, Any]:
     if settings["activation_status"] and not procedure:
         raise exceptions.InvalidArgument("activation needs an activation_procedure")
     return settings
-

@@ -11,7 +11,8 @@ import contextlib
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
@@ -64,9 +65,7 @@ class ConversationOperations:
         :return: the initiator's conversation handle
         """
         if related_conversation is not None and related_group is not None:
-            raise exceptions.InvalidArgument(
-                "give related_conversation or related_group, not both"
-            )
+            raise exceptions.InvalidArgument("give related_conversation or related_group, not both")
         if lifetime is not None:
             lifetime = checks.timeout(lifetime, "lifetime")
             if lifetime == 0:
@@ -152,7 +151,9 @@ class ConversationOperations:
             endpoint = tx._endpoint(handle)
             mt = tx._one("message_type_get", name=message_type)
             if mt is None:
-                raise exceptions.MessageTypeNotFound(f"message type {message_type!r} does not exist")
+                raise exceptions.MessageTypeNotFound(
+                    f"message type {message_type!r} does not exist"
+                )
             allowed = {
                 r["message_type_name"]: SentBy(r["sent_by"])
                 for r in tx._all("contract_message_types", name=endpoint.contract_name)
@@ -225,7 +226,9 @@ class ConversationOperations:
         with self._operation() as tx:
             return tx._wait_for(queue, wait, lambda: tx._get_group_once(queue), None)
 
-    def move_conversation(self, conversation_handle: uuid.UUID | str, group: uuid.UUID | str) -> None:
+    def move_conversation(
+        self, conversation_handle: uuid.UUID | str, group: uuid.UUID | str
+    ) -> None:
         """MOVE CONVERSATION ... TO group (within the endpoint's queue).
 
         :raises ConversationGroupNotFound: when the group is not a group of that queue
@@ -302,12 +305,16 @@ class ConversationOperations:
                 body = json.dumps({"code": error, "description": description}).encode()
                 tx._deliver(far, int(seq), ERROR, body)
                 far_state = EndpointState.ERROR
-            tx._execute("endpoint_set_state", handle=str(far.conversation_handle), state=far_state.value)
+            tx._execute(
+                "endpoint_set_state", handle=str(far.conversation_handle), state=far_state.value
+            )
             tx._execute(
                 "endpoint_set_state", handle=handle, state=EndpointState.DISCONNECTED_OUTBOUND.value
             )
 
-    def begin_conversation_timer(self, conversation_handle: uuid.UUID | str, timeout: float) -> None:
+    def begin_conversation_timer(
+        self, conversation_handle: uuid.UUID | str, timeout: float
+    ) -> None:
         """BEGIN CONVERSATION TIMER: a ``DialogTimer`` message arrives on the local queue
         after ``timeout`` seconds, whether or not anybody is waiting. A new call replaces
         the endpoint's timer.
@@ -344,7 +351,7 @@ class ConversationOperations:
             tx._queue(queue)
             return [Message.from_row(r) for r in tx._all("queue_peek", name=queue)]
 
-    def transmission_queue(self) -> list[dict[str, object]]:
+    def transmission_queue(self) -> list[Mapping[str, Any]]:
         """Messages waiting to be delivered (``sys.transmission_queue``)."""
         with self._operation() as tx:
             return tx._all("transmission_list")

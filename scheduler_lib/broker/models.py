@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 
-class Validation(str, enum.Enum):
+class Validation(enum.StrEnum):
     """How a message type's bodies are checked on SEND."""
 
     NONE = "NONE"
@@ -19,7 +19,7 @@ class Validation(str, enum.Enum):
     JSON = "JSON"
 
 
-class SentBy(str, enum.Enum):
+class SentBy(enum.StrEnum):
     """Which side of a conversation may send a message type under a contract."""
 
     INITIATOR = "INITIATOR"
@@ -27,7 +27,7 @@ class SentBy(str, enum.Enum):
     ANY = "ANY"
 
 
-class EndpointState(str, enum.Enum):
+class EndpointState(enum.StrEnum):
     """Conversation endpoint states, with SQL Server's two-letter codes."""
 
     STARTED_OUTBOUND = "SO"  # initiator: began, nothing received yet

@@ -32,7 +32,9 @@ def head() -> str:
 def current(engine: sa.Engine) -> str | None:
     """The revision the database is at, or ``None`` before the first migration."""
     with engine.connect() as conn:
-        return MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
+        return MigrationContext.configure(
+            conn, opts={"version_table": VERSION_TABLE}
+        ).get_current_revision()
 
 
 def migrate(engine: sa.Engine, revision: str = "head") -> None:

@@ -61,7 +61,9 @@ class Store:
         """Rows changed by a named statement."""
         return int(self.execute(conn, query, **params).rowcount)
 
-    def execute_many(self, conn: sa.Connection, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    def execute_many(
+        self, conn: sa.Connection, name: str, rows: Sequence[Mapping[str, Any]]
+    ) -> None:
         """Run a named statement once per parameter set, in one call to the driver."""
         if rows:
             try:

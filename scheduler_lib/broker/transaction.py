@@ -284,9 +284,7 @@ class Transaction(CatalogOperations, ConversationOperations):
         self._wrote = True  # the group stays locked until the transaction ends
         return uuid.UUID(group_id)
 
-    def _wait_for(
-        self, queue: str, timeout: float | None, attempt: Callable[[], T], empty: T
-    ) -> T:
+    def _wait_for(self, queue: str, timeout: float | None, attempt: Callable[[], T], empty: T) -> T:
         """Run ``attempt`` until it finds something or ``timeout`` passes (WAITFOR)."""
         broker = self._broker
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -312,7 +310,9 @@ class Transaction(CatalogOperations, ConversationOperations):
                     if broker._listener is not None
                     else wakeup.SQLITE_POLL_INTERVAL
                 )
-                broker._wakeups.wait(queue, seen, poll if remaining is None else min(poll, remaining))
+                broker._wakeups.wait(
+                    queue, seen, poll if remaining is None else min(poll, remaining)
+                )
         finally:
             if waiter_registered:
                 broker._set_waiting(queue, -1)
@@ -324,12 +324,17 @@ class Transaction(CatalogOperations, ConversationOperations):
         fired = 0
         for row in self._all("timers_due", now=now, limit=limit):
             self._execute("timer_clear", handle=row["conversation_handle"])
-            self._enqueue(row, row["conversation_handle"], TIMER_MESSAGE_SEQUENCE, DIALOG_TIMER, None)
+            self._enqueue(
+                row, row["conversation_handle"], TIMER_MESSAGE_SEQUENCE, DIALOG_TIMER, None
+            )
             fired += 1
         for row in self._all("lifetimes_due", now=now, limit=limit):
             self._execute("lifetime_expire", handle=row["conversation_handle"])
             body = json.dumps(
-                {"code": LIFETIME_EXPIRED_CODE, "description": "The dialog has exceeded its lifetime."}
+                {
+                    "code": LIFETIME_EXPIRED_CODE,
+                    "description": "The dialog has exceeded its lifetime.",
+                }
             ).encode()
             self._enqueue(row, row["conversation_handle"], TIMER_MESSAGE_SEQUENCE, ERROR, body)
             fired += 1

@@ -44,7 +44,9 @@ def timeout(value: Any, what: str = "timeout") -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise exceptions.InvalidArgument(f"{what} must be a number of seconds or None, got {value!r}")
+        raise exceptions.InvalidArgument(
+            f"{what} must be a number of seconds or None, got {value!r}"
+        )
     if value < 0:
         raise exceptions.InvalidArgument(f"{what} must not be negative, got {value!r}")
     return float(value)
@@ -87,7 +89,8 @@ def check_body(message_type: str, validation: Validation, body: bytes | None) ->
         return
     if validation is Validation.EMPTY:
         raise exceptions.InvalidMessageBody(
-            f"message type {message_type!r} has VALIDATION = EMPTY but the body has {len(body)} bytes"
+            f"message type {message_type!r} has VALIDATION = EMPTY "
+            f"but the body has {len(body)} bytes"
         )
     if validation is Validation.WELL_FORMED_XML:
         try:

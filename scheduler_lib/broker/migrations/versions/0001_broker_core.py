@@ -140,7 +140,12 @@ def upgrade() -> None:
     )
     op.create_table(
         "queue_messages",
-        sa.Column("message_id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+        sa.Column(
+            "message_id",
+            sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
         sa.Column("queue_name", NAME, nullable=False),
         sa.Column("conversation_group_id", HANDLE, nullable=False),
         sa.Column("conversation_handle", HANDLE, nullable=False),
@@ -183,7 +188,12 @@ def upgrade() -> None:
     # Messages whose local target queue is off wait here until it is turned on again.
     op.create_table(
         "transmission_queue",
-        sa.Column("message_id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+        sa.Column(
+            "message_id",
+            sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
         sa.Column("conversation_handle", HANDLE, nullable=False),  # the receiving endpoint
         sa.Column("to_queue_name", NAME, nullable=False),
         sa.Column("conversation_group_id", HANDLE, nullable=False),

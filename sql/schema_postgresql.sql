@@ -1,0 +1,154 @@
+BEGIN;
+
+CREATE TABLE broker_alembic_version (
+    version_num VARCHAR(32) NOT NULL, 
+    CONSTRAINT broker_alembic_version_pkc PRIMARY KEY (version_num)
+);
+
+-- Running upgrade  -> 0001
+
+CREATE TABLE message_types (
+    message_type_name VARCHAR(128) NOT NULL, 
+    validation VARCHAR(16) NOT NULL, 
+    created_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (message_type_name), 
+    CONSTRAINT validation_known CHECK (validation IN ('NONE', 'EMPTY', 'WELL_FORMED_XML', 'JSON'))
+);
+
+CREATE TABLE contracts (
+    contract_name VARCHAR(128) NOT NULL, 
+    created_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (contract_name)
+);
+
+CREATE TABLE contract_message_types (
+    contract_name VARCHAR(128) NOT NULL, 
+    message_type_name VARCHAR(128) NOT NULL, 
+    sent_by VARCHAR(9) NOT NULL, 
+    PRIMARY KEY (contract_name, message_type_name), 
+    CONSTRAINT sent_by_known CHECK (sent_by IN ('INITIATOR', 'TARGET', 'ANY')), 
+    FOREIGN KEY(contract_name) REFERENCES contracts (contract_name) ON DELETE CASCADE, 
+    FOREIGN KEY(message_type_name) REFERENCES message_types (message_type_name)
+);
+
+CREATE TABLE queues (
+    queue_name VARCHAR(128) NOT NULL, 
+    is_receive_enabled BOOLEAN NOT NULL, 
+    is_retention_enabled BOOLEAN NOT NULL, 
+    is_activation_enabled BOOLEAN NOT NULL, 
+    activation_procedure VARCHAR(512), 
+    max_readers INTEGER NOT NULL, 
+    execute_as VARCHAR(128), 
+    is_poison_message_handling_enabled BOOLEAN NOT NULL, 
+    waiting_receivers INTEGER DEFAULT '0' NOT NULL, 
+    created_at FLOAT(53) NOT NULL, 
+    modified_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (queue_name), 
+    CONSTRAINT max_readers_not_negative CHECK (max_readers >= 0)
+);
+
+CREATE TABLE services (
+    service_name VARCHAR(128) NOT NULL, 
+    queue_name VARCHAR(128) NOT NULL, 
+    created_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (service_name), 
+    FOREIGN KEY(queue_name) REFERENCES queues (queue_name)
+);
+
+CREATE INDEX ix_services_queue_name ON services (queue_name);
+
+CREATE TABLE service_contracts (
+    service_name VARCHAR(128) NOT NULL, 
+    contract_name VARCHAR(128) NOT NULL, 
+    PRIMARY KEY (service_name, contract_name), 
+    FOREIGN KEY(service_name) REFERENCES services (service_name) ON DELETE CASCADE, 
+    FOREIGN KEY(contract_name) REFERENCES contracts (contract_name)
+);
+
+CREATE TABLE conversation_groups (
+    conversation_group_id VARCHAR(36) NOT NULL, 
+    queue_name VARCHAR(128) NOT NULL, 
+    created_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (conversation_group_id)
+);
+
+CREATE TABLE conversation_endpoints (
+    conversation_handle VARCHAR(36) NOT NULL, 
+    conversation_id VARCHAR(36) NOT NULL, 
+    is_initiator BOOLEAN NOT NULL, 
+    service_name VARCHAR(128) NOT NULL, 
+    far_service_name VARCHAR(128) NOT NULL, 
+    contract_name VARCHAR(128) NOT NULL, 
+    queue_name VARCHAR(128) NOT NULL, 
+    conversation_group_id VARCHAR(36) NOT NULL, 
+    state VARCHAR(2) NOT NULL, 
+    priority SMALLINT NOT NULL, 
+    send_sequence BIGINT NOT NULL, 
+    receive_sequence BIGINT NOT NULL, 
+    lifetime_expires_at FLOAT(53), 
+    timer_due_at FLOAT(53), 
+    created_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (conversation_handle), 
+    CONSTRAINT uq_conversation_side UNIQUE (conversation_id, is_initiator), 
+    CONSTRAINT state_known CHECK (state IN ('SO', 'SI', 'CO', 'DI', 'DO', 'ER', 'CD')), 
+    CONSTRAINT priority_in_range CHECK (priority BETWEEN 1 AND 10)
+);
+
+CREATE INDEX ix_conversation_endpoints_group ON conversation_endpoints (conversation_group_id);
+
+CREATE INDEX ix_conversation_endpoints_timer ON conversation_endpoints (timer_due_at) WHERE timer_due_at IS NOT NULL;
+
+CREATE INDEX ix_conversation_endpoints_lifetime ON conversation_endpoints (lifetime_expires_at) WHERE lifetime_expires_at IS NOT NULL AND state <> 'ER';
+
+CREATE TABLE queue_messages (
+    message_id BIGSERIAL NOT NULL, 
+    queue_name VARCHAR(128) NOT NULL, 
+    conversation_group_id VARCHAR(36) NOT NULL, 
+    conversation_handle VARCHAR(36) NOT NULL, 
+    message_sequence_number BIGINT NOT NULL, 
+    message_type_name VARCHAR(128) NOT NULL, 
+    message_body BYTEA, 
+    priority SMALLINT NOT NULL, 
+    status SMALLINT NOT NULL, 
+    service_name VARCHAR(128) NOT NULL, 
+    service_contract_name VARCHAR(128) NOT NULL, 
+    enqueued_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (message_id)
+);
+
+CREATE INDEX ix_queue_messages_ready ON queue_messages (queue_name, priority DESC, message_id) WHERE status = 1;
+
+CREATE INDEX ix_queue_messages_group ON queue_messages (conversation_group_id, priority DESC, conversation_handle, message_sequence_number) WHERE status = 1;
+
+CREATE INDEX ix_queue_messages_conversation ON queue_messages (conversation_handle, message_sequence_number);
+
+CREATE TABLE transmission_queue (
+    message_id BIGSERIAL NOT NULL, 
+    conversation_handle VARCHAR(36) NOT NULL, 
+    to_queue_name VARCHAR(128) NOT NULL, 
+    conversation_group_id VARCHAR(36) NOT NULL, 
+    message_sequence_number BIGINT NOT NULL, 
+    message_type_name VARCHAR(128) NOT NULL, 
+    message_body BYTEA, 
+    priority SMALLINT NOT NULL, 
+    to_service_name VARCHAR(128) NOT NULL, 
+    service_contract_name VARCHAR(128) NOT NULL, 
+    enqueued_at FLOAT(53) NOT NULL, 
+    transmission_status VARCHAR(1024) NOT NULL, 
+    PRIMARY KEY (message_id)
+);
+
+CREATE INDEX ix_transmission_queue_to_queue ON transmission_queue (to_queue_name, message_id);
+
+CREATE INDEX ix_transmission_queue_conversation ON transmission_queue (conversation_handle);
+
+INSERT INTO message_types (message_type_name, validation, created_at) VALUES ('DEFAULT', 'NONE', 0);
+
+INSERT INTO contracts (contract_name, created_at) VALUES ('DEFAULT', 0);
+
+INSERT INTO contract_message_types (contract_name, message_type_name, sent_by) VALUES ('DEFAULT', 'DEFAULT', 'ANY');
+
+INSERT INTO broker_alembic_version (version_num) VALUES ('0001') RETURNING broker_alembic_version.version_num;
+
+COMMIT;
+
