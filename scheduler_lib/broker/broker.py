@@ -15,6 +15,7 @@ from scheduler_lib.broker import engine as engines
 from scheduler_lib.broker import schema, store, wakeup
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
+from scheduler_lib.broker.models import Validation
 from scheduler_lib.broker.transaction import Transaction
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class Broker(CatalogOperations, ConversationOperations):
         self._engine = engines.create_engine(url, **(engine_options or {}))
         self._store = store.Store(self._engine.dialect.name)
         self.max_message_size = max_message_size
+        # Message type -> validation, for SEND's fast path; the statement re-checks the
+        # validation in the database, so a stale entry costs a slow path, never a wrong send.
+        self._validation_cache: dict[str, Validation] = {}
         if migrate:
             schema.migrate(self._engine)
         self._wakeups = wakeup.Wakeups()

@@ -24,8 +24,6 @@ from scheduler_lib.broker.models import (
     ConversationEndpoint,
     EndpointState,
     Message,
-    SentBy,
-    Validation,
 )
 
 if TYPE_CHECKING:
@@ -148,38 +146,24 @@ class ConversationOperations:
             )
         with self._operation() as tx:
             data = checks.body_bytes(body, tx._broker.max_message_size)
-            endpoint = tx._endpoint(handle)
-            mt = tx._one("message_type_get", name=message_type)
-            if mt is None:
-                raise exceptions.MessageTypeNotFound(
-                    f"message type {message_type!r} does not exist"
+            cached = tx._broker._validation_cache.get(message_type)
+            if cached is not None and tx._store.has("send_fast"):
+                checks.check_body(message_type, cached, data)
+                row = tx._one(
+                    "send_fast",
+                    handle=handle,
+                    message_type=message_type,
+                    validation=cached.value,
+                    body=data,
+                    now=time.time(),
                 )
-            allowed = {
-                r["message_type_name"]: SentBy(r["sent_by"])
-                for r in tx._all("contract_message_types", name=endpoint.contract_name)
-            }
-            side = SentBy.INITIATOR if endpoint.is_initiator else SentBy.TARGET
-            if message_type not in allowed:
-                raise exceptions.ContractViolation(
-                    f"message type {message_type!r} is not part of contract "
-                    f"{endpoint.contract_name!r}"
-                )
-            if allowed[message_type] not in (side, SentBy.ANY):
-                raise exceptions.ContractViolation(
-                    f"contract {endpoint.contract_name!r} lets only the "
-                    f"{allowed[message_type].value} send {message_type!r}; this endpoint is the "
-                    f"{side.value}"
-                )
-            if endpoint.state.value not in SENDABLE_STATES:
-                raise _state_error(endpoint, "send on")
-            checks.check_body(message_type, Validation(mt["validation"]), data)
-            seq = tx._scalar("endpoint_take_send_sequence", handle=handle)
-            if seq is None:  # the state changed since we read it
-                raise _state_error(tx._endpoint(handle), "send on")
-            far = tx._far_endpoint(endpoint, create=True)
-            assert far is not None
-            tx._deliver(far, int(seq), message_type, data)
-            return int(seq)
+                if row is not None:
+                    tx._wrote = True
+                    # The statement already sent NOTIFY if, and only if, somebody waits.
+                    tx._notified_queues.add(row["queue_name"])
+                    tx._touched_queues.add(row["queue_name"])
+                    return int(row["message_sequence_number"])
+            return tx._send_checked(handle, message_type, data)
 
     def receive(
         self,
@@ -281,9 +265,13 @@ class ConversationOperations:
             if cleanup:
                 tx._close(endpoint)
                 return
+            # The group lock first, as RECEIVE takes it, then both endpoints in a fixed order.
+            tx._execute("group_lock", group_id=str(endpoint.conversation_group_id))
+            tx._execute("endpoints_lock", conversation_id=str(endpoint.conversation_id))
+            endpoint = tx._endpoint(handle)
             state = endpoint.state
             if state is EndpointState.DISCONNECTED_OUTBOUND:
-                raise _state_error(endpoint, "end")
+                raise state_error(endpoint, "end")
             far = tx._far_endpoint(endpoint, create=False)
             if state in (EndpointState.DISCONNECTED_INBOUND, EndpointState.ERROR) or far is None:
                 # The far side already ended (or never existed): we are the last to leave.
@@ -299,11 +287,11 @@ class ConversationOperations:
                 return
             seq = tx._scalar("endpoint_take_system_sequence", handle=handle)
             if error is None:
-                tx._deliver(far, int(seq), END_DIALOG, None)
+                tx._enqueue_at(far, int(seq), END_DIALOG, None)
                 far_state = EndpointState.DISCONNECTED_INBOUND
             else:
                 body = json.dumps({"code": error, "description": description}).encode()
-                tx._deliver(far, int(seq), ERROR, body)
+                tx._enqueue_at(far, int(seq), ERROR, body)
                 far_state = EndpointState.ERROR
             tx._execute(
                 "endpoint_set_state", handle=str(far.conversation_handle), state=far_state.value
@@ -326,7 +314,7 @@ class ConversationOperations:
         with self._operation() as tx:
             endpoint = tx._endpoint(handle)
             if endpoint.state in (EndpointState.CLOSED, EndpointState.DISCONNECTED_OUTBOUND):
-                raise _state_error(endpoint, "set a timer on")
+                raise state_error(endpoint, "set a timer on")
             tx._execute("endpoint_set_timer", handle=handle, due=time.time() + seconds)
             tx._timers_changed = True
             tx._wrote = True
@@ -357,7 +345,7 @@ class ConversationOperations:
             return tx._all("transmission_list")
 
 
-def _state_error(endpoint: ConversationEndpoint, action: str) -> exceptions.ConversationStateError:
+def state_error(endpoint: ConversationEndpoint, action: str) -> exceptions.ConversationStateError:
     reasons = {
         EndpointState.DISCONNECTED_INBOUND: "the far side ended it; end it here too",
         EndpointState.DISCONNECTED_OUTBOUND: "this side already ended it",

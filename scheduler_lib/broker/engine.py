@@ -82,5 +82,6 @@ def create_engine(url: str | URL, **kwargs: Any) -> Engine:
         return engine
     kwargs.setdefault("pool_size", POOL_SIZE)
     kwargs.setdefault("max_overflow", POOL_SIZE)
-    kwargs.setdefault("pool_pre_ping", True)
+    # No pool_pre_ping: it costs a round trip per transaction on the hot path. A connection
+    # the server dropped fails its transaction once and is then replaced by the pool.
     return sa.create_engine(parsed, **kwargs)

@@ -142,7 +142,7 @@ class ConversationEndpoint:
             contract_name=row["contract_name"],
             queue_name=row["queue_name"],
             conversation_group_id=uuid.UUID(row["conversation_group_id"]),
-            state=EndpointState(row["state"]),
+            state=EndpointState(row.get("effective_state") or row["state"]),
             priority=int(row["priority"]),
             send_sequence=int(row["send_sequence"]),
             receive_sequence=int(row["receive_sequence"]),

@@ -24,6 +24,10 @@ class Store:
         self.dialect = dialect
         self._queries = queries.for_dialect(dialect)
 
+    def has(self, query: str) -> bool:
+        """Whether this dialect has the named query (fast paths exist on some only)."""
+        return query in self._queries
+
     @property
     def is_postgresql(self) -> bool:
         return self.dialect == "postgresql"

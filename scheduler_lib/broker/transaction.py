@@ -12,8 +12,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from scheduler_lib.broker import exceptions, wakeup
+from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
-from scheduler_lib.broker.conversations import DEFAULT_PRIORITY, ConversationOperations
+from scheduler_lib.broker.conversations import (
+    DEFAULT_PRIORITY,
+    SENDABLE_STATES,
+    ConversationOperations,
+    state_error,
+)
 from scheduler_lib.broker.models import (
     DIALOG_TIMER,
     ERROR,
@@ -21,6 +27,8 @@ from scheduler_lib.broker.models import (
     EndpointState,
     Message,
     QueueInfo,
+    SentBy,
+    Validation,
 )
 from scheduler_lib.broker.store import Row
 
@@ -49,7 +57,8 @@ class Transaction(CatalogOperations, ConversationOperations):
         self._connection: sa.Connection | None = None
         self._wrote = False
         self._finished = False
-        self._touched_queues: set[str] = set()
+        self._touched_queues: set[str] = set()  # got messages: wake local waiters
+        self._notified_queues: set[str] = set()  # already NOTIFYed by the statement itself
         self._timers_changed = False
 
     # --- lifecycle -------------------------------------------------------------------
@@ -73,7 +82,7 @@ class Transaction(CatalogOperations, ConversationOperations):
         if conn is None:
             return
         try:
-            for queue in sorted(self._touched_queues):
+            for queue in sorted(self._touched_queues - self._notified_queues):
                 self._store.execute(conn, "queue_notify", name=queue)
             conn.commit()
         except BaseException:
@@ -190,14 +199,66 @@ class Transaction(CatalogOperations, ConversationOperations):
         )
         return self._endpoint(handle)
 
-    # --- delivery --------------------------------------------------------------------
+    # --- sending ---------------------------------------------------------------------
+
+    def _send_checked(self, handle: str, message_type: str, data: bytes | None) -> int:
+        """SEND with every check spelled out: the path that names what is wrong, creates
+        the target endpoint with the first message, and holds messages for a disabled
+        queue. PostgreSQL's one-statement fast path falls back to it."""
+        endpoint = self._endpoint(handle)
+        mt = self._one("message_type_get", name=message_type)
+        if mt is None:
+            raise exceptions.MessageTypeNotFound(f"message type {message_type!r} does not exist")
+        validation = Validation(mt["validation"])
+        self._broker._validation_cache[message_type] = validation
+        allowed = {
+            r["message_type_name"]: SentBy(r["sent_by"])
+            for r in self._all("contract_message_types", name=endpoint.contract_name)
+        }
+        side = SentBy.INITIATOR if endpoint.is_initiator else SentBy.TARGET
+        if message_type not in allowed:
+            raise exceptions.ContractViolation(
+                f"message type {message_type!r} is not part of contract {endpoint.contract_name!r}"
+            )
+        if allowed[message_type] not in (side, SentBy.ANY):
+            raise exceptions.ContractViolation(
+                f"contract {endpoint.contract_name!r} lets only the {allowed[message_type].value} "
+                f"send {message_type!r}; this endpoint is the {side.value}"
+            )
+        if endpoint.state.value not in SENDABLE_STATES:
+            raise state_error(endpoint, "send on")
+        checks.check_body(message_type, validation, data)
+        far = self._far_endpoint(endpoint, create=True)
+        assert far is not None
+        if far.state.value not in SENDABLE_STATES:
+            # The far side ended or failed; its EndDialog/Error is on our queue already.
+            raise state_error(far, "send to the far side of")
+        seq = self._scalar("endpoint_take_send_sequence", handle=handle)
+        if seq is None:  # the state changed since we read it
+            raise state_error(self._endpoint(handle), "send on")
+        self._enqueue_at(far, int(seq), message_type, data)
+        return int(seq)
+
+    def _enqueue_at(
+        self, endpoint: ConversationEndpoint, seq: int, message_type: str, body: bytes | None
+    ) -> None:
+        """A local message to ``endpoint``: the sender's row lock already ordered it."""
+        row = {
+            "queue_name": endpoint.queue_name,
+            "conversation_group_id": str(endpoint.conversation_group_id),
+            "priority": endpoint.priority,
+            "service_name": endpoint.service_name,
+            "contract_name": endpoint.contract_name,
+        }
+        self._enqueue(row, str(endpoint.conversation_handle), seq, message_type, body)
 
     def _deliver(
         self, far: ConversationEndpoint, seq: int, message_type: str, body: bytes | None
     ) -> bool:
-        """Accept message ``seq`` at endpoint ``far``: exactly once, in order.
+        """Accept message ``seq`` arriving for endpoint ``far`` from another broker:
+        exactly once, in order (the transport's entry point).
 
-        :return: ``False`` when it was a duplicate and was dropped
+        :return: ``False`` when it was a duplicate (or out of order) and was dropped
         """
         self._wrote = True
         accepted = self._one("endpoint_accept", handle=str(far.conversation_handle), seq=seq)
@@ -210,6 +271,7 @@ class Transaction(CatalogOperations, ConversationOperations):
         self, endpoint: Row, handle: str, seq: int, message_type: str, body: bytes | None
     ) -> None:
         """Put a message on the endpoint's queue, or hold it while that queue is off."""
+        self._wrote = True
         queue = self._queue(endpoint["queue_name"])
         params = {
             "queue": queue.name,
@@ -246,6 +308,11 @@ class Transaction(CatalogOperations, ConversationOperations):
     def _receive_once(
         self, queue: str, top: int, handle: str | None, group_id: str | None
     ) -> list[Message]:
+        if handle is None and group_id is None and self._store.has("receive_fast"):
+            rows = self._all("receive_fast", queue=queue, top=top)
+            if rows:
+                self._wrote = True
+                return _in_order([Message.from_row(r) for r in rows])
         info = self._queue(queue)
         if not info.is_receive_enabled:
             raise exceptions.QueueDisabled(f"queue {queue!r} is disabled (status off)")
@@ -268,11 +335,7 @@ class Transaction(CatalogOperations, ConversationOperations):
             take += "_retained"
         rows = self._all(take, top=top, **params)
         self._wrote = True
-        messages = [Message.from_row(r) for r in rows]
-        messages.sort(
-            key=lambda m: (-m.priority, str(m.conversation_handle), m.message_sequence_number)
-        )
-        return messages
+        return _in_order([Message.from_row(r) for r in rows])
 
     def _get_group_once(self, queue: str) -> uuid.UUID | None:
         info = self._queue(queue)
@@ -340,3 +403,12 @@ class Transaction(CatalogOperations, ConversationOperations):
             fired += 1
         self._wrote = self._wrote or fired > 0
         return fired
+
+
+def _in_order(messages: list[Message]) -> list[Message]:
+    """RECEIVE's order inside a group: conversations by priority, then sequence number
+    (DELETE ... RETURNING promises no order of its own)."""
+    messages.sort(
+        key=lambda m: (-m.priority, str(m.conversation_handle), m.message_sequence_number)
+    )
+    return messages

@@ -216,8 +216,15 @@ INSERT INTO conversation_endpoints (
 );
 
 -- name: endpoint_get
--- One endpoint by handle.
-SELECT * FROM conversation_endpoints WHERE conversation_handle = :handle;
+-- One endpoint by handle. An initiator shows CO once the target has sent: derived here
+-- rather than written on every send, so a SEND only ever writes its own endpoint's row
+-- (two endpoints sending at once can then never deadlock).
+SELECT e.*, CASE WHEN e.state = 'SO' AND EXISTS (
+    SELECT 1 FROM conversation_endpoints f
+    WHERE f.conversation_id = e.conversation_id AND f.is_initiator <> e.is_initiator
+    AND f.send_sequence > 0
+) THEN 'CO' ELSE e.state END AS effective_state
+FROM conversation_endpoints e WHERE e.conversation_handle = :handle;
 
 -- name: endpoint_far
 -- The other endpoint of a conversation.
@@ -225,8 +232,23 @@ SELECT * FROM conversation_endpoints
 WHERE conversation_id = :conversation_id AND is_initiator <> :is_initiator;
 
 -- name: endpoint_list
--- Every endpoint (sys.conversation_endpoints).
-SELECT * FROM conversation_endpoints ORDER BY created_at, conversation_handle;
+-- Every endpoint (sys.conversation_endpoints), states as endpoint_get derives them.
+SELECT e.*, CASE WHEN e.state = 'SO' AND EXISTS (
+    SELECT 1 FROM conversation_endpoints f
+    WHERE f.conversation_id = e.conversation_id AND f.is_initiator <> e.is_initiator
+    AND f.send_sequence > 0
+) THEN 'CO' ELSE e.state END AS effective_state
+FROM conversation_endpoints e ORDER BY e.created_at, e.conversation_handle;
+
+-- name: endpoints_lock
+-- Lock both endpoints of a conversation, initiator first, so END CONVERSATION from both
+-- sides at once waits instead of deadlocking (a no-op on SQLite, whose lock is global).
+SELECT conversation_handle FROM conversation_endpoints
+WHERE conversation_id = :conversation_id ORDER BY is_initiator DESC;
+
+-- name: group_lock
+-- END CONVERSATION waits for the conversation group lock, as RECEIVE holds it.
+SELECT conversation_group_id FROM conversation_groups WHERE conversation_group_id = :group_id;
 
 -- name: endpoint_take_send_sequence
 -- Assign the next sequence number; refuses (no row) unless the state allows sending.
@@ -243,11 +265,10 @@ WHERE conversation_handle = :handle
 RETURNING send_sequence - 1 AS message_sequence_number;
 
 -- name: endpoint_accept
--- Accept message number :seq at the receiving endpoint, exactly once and in order:
+-- Accept message number :seq arriving from another broker, exactly once and in order:
 -- no row back means a duplicate (or a gap), and the message is dropped.
 UPDATE conversation_endpoints
-SET receive_sequence = receive_sequence + 1,
-    state = CASE WHEN state = 'SO' THEN 'CO' ELSE state END
+SET receive_sequence = receive_sequence + 1
 WHERE conversation_handle = :handle AND receive_sequence = :seq
 RETURNING queue_name, conversation_group_id, priority, service_name, contract_name;
 

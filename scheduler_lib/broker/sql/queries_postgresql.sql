@@ -59,3 +59,86 @@ WHERE lifetime_expires_at IS NOT NULL AND state <> 'ER' AND lifetime_expires_at 
 ORDER BY lifetime_expires_at
 LIMIT :limit
 FOR UPDATE SKIP LOCKED;
+
+-- name: endpoints_lock
+-- Lock both endpoints of a conversation, initiator first.
+SELECT conversation_handle FROM conversation_endpoints
+WHERE conversation_id = :conversation_id ORDER BY is_initiator DESC
+FOR UPDATE;
+
+-- name: group_lock
+-- END CONVERSATION waits for the conversation group lock, as RECEIVE holds it.
+SELECT conversation_group_id FROM conversation_groups WHERE conversation_group_id = :group_id
+FOR UPDATE;
+
+-- name: send_fast
+-- SEND in one round trip once both endpoints exist: check state, contract, direction and
+-- the caller's cached validation, take the sequence number, enqueue, and NOTIFY only if a
+-- receiver waits. No row back means "take the checked slow path" (it raises the precise
+-- error, creates the target endpoint, or holds the message for a disabled queue); nothing
+-- was written in that case, because every check guards the one UPDATE.
+WITH far AS (
+    SELECT f.conversation_handle, f.queue_name, f.conversation_group_id, f.priority,
+        f.service_name, f.contract_name, q.waiting_receivers
+    FROM conversation_endpoints s
+    JOIN conversation_endpoints f
+        ON f.conversation_id = s.conversation_id AND f.is_initiator <> s.is_initiator
+    JOIN queues q ON q.queue_name = f.queue_name
+    WHERE s.conversation_handle = :handle
+    AND f.state IN ('SO', 'SI', 'CO') AND q.is_receive_enabled
+    AND EXISTS (
+        SELECT 1 FROM contract_message_types c
+        JOIN message_types mt ON mt.message_type_name = c.message_type_name
+        WHERE c.contract_name = s.contract_name AND c.message_type_name = :message_type
+        AND mt.validation = :validation
+        AND c.sent_by IN ('ANY', CASE WHEN s.is_initiator THEN 'INITIATOR' ELSE 'TARGET' END)
+    )
+), sender AS (
+    UPDATE conversation_endpoints s
+    SET send_sequence = s.send_sequence + 1,
+        state = CASE WHEN s.state = 'SI' THEN 'CO' ELSE s.state END
+    FROM far
+    WHERE s.conversation_handle = :handle AND s.state IN ('SO', 'SI', 'CO')
+    RETURNING s.send_sequence - 1 AS message_sequence_number
+), enqueued AS (
+    INSERT INTO queue_messages (
+        queue_name, conversation_group_id, conversation_handle, message_sequence_number,
+        message_type_name, message_body, priority, status, service_name,
+        service_contract_name, enqueued_at
+    )
+    SELECT far.queue_name, far.conversation_group_id, far.conversation_handle,
+        sender.message_sequence_number, :message_type, :body, far.priority, 1,
+        far.service_name, far.contract_name, :now
+    FROM far, sender
+    RETURNING queue_name
+)
+SELECT sender.message_sequence_number, far.queue_name,
+    CASE WHEN far.waiting_receivers > 0
+        THEN pg_notify('scheduler_lib_broker', far.queue_name) IS NOT NULL
+        ELSE false END AS notified
+FROM far, sender, (SELECT count(*) AS n FROM enqueued) AS e;
+
+-- name: receive_fast
+-- RECEIVE in one round trip from an enabled queue without retention: lock the first
+-- group nobody holds and take its first :top messages. No row back: nothing was there,
+-- or the queue needs the checked slow path (unknown, disabled, retention).
+WITH grp AS (
+    SELECT g.conversation_group_id FROM queue_messages m
+    JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
+    WHERE m.queue_name = :queue AND m.status = 1
+    AND EXISTS (
+        SELECT 1 FROM queues q
+        WHERE q.queue_name = :queue AND q.is_receive_enabled AND NOT q.is_retention_enabled
+    )
+    ORDER BY m.priority DESC, m.message_id
+    LIMIT 1
+    FOR UPDATE OF g SKIP LOCKED
+), picked AS (
+    SELECT m.message_id FROM queue_messages m
+    JOIN grp ON m.conversation_group_id = grp.conversation_group_id
+    WHERE m.status = 1
+    ORDER BY m.priority DESC, m.conversation_handle, m.message_sequence_number
+    LIMIT :top
+)
+DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
+RETURNING m.*;
