@@ -62,6 +62,8 @@ class Broker(CatalogOperations, ConversationOperations):
             schema.migrate(self._engine)
         self._wakeups = wakeup.Wakeups()
         self._listener: wakeup.PostgresListener | None = None
+        self._watcher: wakeup.SqliteWatcher | None = None
+        self._watcher_lock = threading.Lock()
         if self._store.is_postgresql:
             self._listener = wakeup.PostgresListener(self._engine, self._wakeups)
         self._closed = threading.Event()
@@ -100,6 +102,8 @@ class Broker(CatalogOperations, ConversationOperations):
             self._timer_thread.join(timeout=5)
         if self._listener is not None:
             self._listener.stop()
+        if self._watcher is not None:
+            self._watcher.stop()
         self._engine.dispose()
 
     def __enter__(self) -> Broker:
@@ -114,6 +118,14 @@ class Broker(CatalogOperations, ConversationOperations):
         self._wakeups.notify(queues)
         if timers_changed:
             self._timer_wakeup.set()
+
+    def _watch_sqlite(self) -> None:
+        """Start the SQLite watcher when the first receiver waits (PostgreSQL LISTENs)."""
+        if self._listener is not None or self._watcher is not None:
+            return
+        with self._watcher_lock:
+            if self._watcher is None and self._engine.url.database:
+                self._watcher = wakeup.SqliteWatcher(self._engine.url.database, self._wakeups)
 
     def _set_waiting(self, queue: str, delta: int) -> None:
         """Register a PostgreSQL receiver as waiting (senders then NOTIFY)."""

@@ -362,6 +362,7 @@ class Transaction(CatalogOperations, ConversationOperations):
                 if remaining is not None and remaining <= 0:
                     return empty
                 self._release_while_idle()
+                broker._watch_sqlite()
                 if broker._listener is not None and not waiter_registered:
                     # Senders NOTIFY only while somebody is registered; look once more
                     # after registering so a message sent meanwhile is not missed.

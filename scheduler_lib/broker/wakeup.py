@@ -2,9 +2,10 @@
 
 In-process, a commit that put messages on a queue sets that queue's condition. Across
 processes, PostgreSQL's LISTEN/NOTIFY carries the queue name (senders NOTIFY only while a
-receiver is registered as waiting); SQLite has no such channel, so waiters there wake at
-least every ``SQLITE_POLL_INTERVAL``. Every wait is bounded, so a lost notification costs
-at most ``POSTGRESQL_POLL_INTERVAL``, never a hang.
+receiver is registered as waiting); SQLite has no such channel, so a watcher thread reads
+``PRAGMA data_version`` (it changes whenever another connection commits) every
+``SQLITE_WATCH_INTERVAL`` and wakes the waiters. Every wait is also bounded by a poll
+interval, so a lost notification costs a little latency, never a hang.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import sqlalchemy as sa
 log = logging.getLogger(__name__)
 
 CHANNEL = "scheduler_lib_broker"
-SQLITE_POLL_INTERVAL = 0.02  # seconds between re-checks by a waiter on SQLite
+SQLITE_WATCH_INTERVAL = 0.005  # seconds between reads of PRAGMA data_version
+SQLITE_POLL_INTERVAL = 0.5  # seconds; fallback re-check by a waiter on SQLite
 POSTGRESQL_POLL_INTERVAL = 1.0  # seconds; fallback should a NOTIFY be missed
 LISTENER_RECONNECT_DELAY = 1.0  # seconds before the LISTEN connection is reopened
 
@@ -104,3 +106,35 @@ class PostgresListener:
                 self._ready.clear()
                 log.warning("LISTEN connection lost; reconnecting", exc_info=True)
                 self._stopped.wait(LISTENER_RECONNECT_DELAY)
+
+
+class SqliteWatcher:
+    """A daemon thread that wakes every waiter when another connection commits to the
+    SQLite file: ``PRAGMA data_version`` is a cheap read that takes no lock."""
+
+    def __init__(self, path: str, wakeups: Wakeups) -> None:
+        self._path = path
+        self._wakeups = wakeups
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="broker-sqlite-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import sqlite3
+
+        conn = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
+        try:
+            version = conn.execute("PRAGMA data_version").fetchone()[0]
+            while not self._stopped.wait(SQLITE_WATCH_INTERVAL):
+                current = conn.execute("PRAGMA data_version").fetchone()[0]
+                if current != version:
+                    version = current
+                    self._wakeups.notify_all()
+        except Exception:  # waiters still poll; losing the watcher only costs latency
+            log.warning("SQLite watcher stopped", exc_info=True)
+        finally:
+            conn.close()
