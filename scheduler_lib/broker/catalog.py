@@ -108,6 +108,11 @@ class CatalogOperations:
         :raises MessageTypeNotFound: for an unknown message type
         """
         name = checks.name(name, "contract name")
+        if not isinstance(message_types, Mapping):
+            raise exceptions.InvalidArgument(
+                f"contract {name!r}: message_types must map each message type to who sends it "
+                f"(INITIATOR, TARGET or ANY), got {type(message_types).__name__}"
+            )
         if not message_types:
             raise exceptions.InvalidArgument(f"contract {name!r} needs at least one message type")
         checked = {
@@ -340,6 +345,10 @@ class CatalogOperations:
                 tx._execute("service_move_groups", name=name, queue=queue)
                 tx._execute("service_move_endpoints", name=name, queue=queue)
                 tx._execute("service_move_messages", name=name, queue=queue)
+                tx._execute("service_move_held", name=name, queue=queue)
+                if tx._queue(queue).is_receive_enabled:
+                    tx._execute("transmission_release", queue=queue)
+                    tx._execute("transmission_delete_queue", queue=queue)
                 tx._touched_queues.add(queue)
             for contract in dict.fromkeys(add_contracts):
                 if contract not in accepted:

@@ -177,6 +177,12 @@ class Transaction(CatalogOperations, ConversationOperations):
             return ConversationEndpoint.from_row(row)
         if not create or not endpoint.is_initiator:
             return None
+        if endpoint.send_sequence > 0:
+            # The target existed and was removed WITH CLEANUP: never bring it back.
+            raise exceptions.ConversationStateError(
+                f"cannot send on conversation {endpoint.conversation_handle}: the target "
+                "endpoint no longer exists (it was ended with cleanup); end it here too"
+            )
         # The target endpoint comes into being with the conversation's first message.
         target = self._service(endpoint.far_service_name)
         now = time.time()

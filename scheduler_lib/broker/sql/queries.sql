@@ -160,8 +160,9 @@ SELECT contract_name FROM service_contracts WHERE service_name = :name ORDER BY 
 SELECT 1 FROM service_contracts WHERE service_name = :name AND contract_name = :contract;
 
 -- name: service_endpoint_count
--- Conversation endpoints that belong to a service.
-SELECT count(*) FROM conversation_endpoints WHERE service_name = :name;
+-- Conversation endpoints of a service, or addressed to it (a dialog begun but not sent).
+SELECT count(*) FROM conversation_endpoints
+WHERE service_name = :name OR far_service_name = :name;
 
 -- name: service_set_queue
 -- ALTER SERVICE ... ON QUEUE.
@@ -181,6 +182,10 @@ UPDATE conversation_groups SET queue_name = :queue
 WHERE conversation_group_id IN (
     SELECT conversation_group_id FROM conversation_endpoints WHERE service_name = :name
 );
+
+-- name: service_move_held
+-- ... and what waits for it in the transmission queue.
+UPDATE transmission_queue SET to_queue_name = :queue WHERE to_service_name = :name;
 
 -- name: service_delete
 -- Drop a service.
@@ -320,7 +325,7 @@ INSERT INTO transmission_queue (
 );
 
 -- name: transmission_release
--- The queue is on again: move its held messages in, in arrival order.
+-- The queue is on: move the messages held for it in, in arrival order.
 INSERT INTO queue_messages (
     queue_name, conversation_group_id, conversation_handle, message_sequence_number,
     message_type_name, message_body, priority, status, service_name, service_contract_name,
