@@ -92,6 +92,13 @@ class Broker(CatalogOperations, ConversationOperations):
         with Transaction(self) as tx:
             yield tx
 
+    @contextlib.contextmanager
+    def _single_statement(self) -> Iterator[Transaction]:
+        # One statement is atomic by itself: autocommit saves the BEGIN and COMMIT round
+        # trips. Only the fast paths run here; they fall back to _operation() otherwise.
+        with Transaction(self, autocommit=self._store.is_postgresql) as tx:
+            yield tx
+
     def close(self) -> None:
         """Stop the background threads and close the connections."""
         if self._closed.is_set():

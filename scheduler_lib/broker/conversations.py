@@ -39,6 +39,11 @@ class ConversationOperations:
     def _operation(self) -> contextlib.AbstractContextManager[Transaction]:
         raise NotImplementedError
 
+    def _single_statement(self) -> contextlib.AbstractContextManager[Transaction]:
+        """Where one statement does the whole operation (the fast paths): the caller's
+        transaction, or on the broker an autocommit one that saves BEGIN and COMMIT."""
+        return self._operation()
+
     def begin_dialog(
         self,
         from_service: str,
@@ -144,25 +149,12 @@ class ConversationOperations:
                 f"{message_type!r} is a system message type",
                 hint="end_conversation() sends EndDialog and Error",
             )
-        with self._operation() as tx:
+        with self._single_statement() as tx:
             data = checks.body_bytes(body, tx._broker.max_message_size)
-            cached = tx._broker._validation_cache.get(message_type)
-            if cached is not None and tx._store.has("send_fast"):
-                checks.check_body(message_type, cached, data)
-                row = tx._one(
-                    "send_fast",
-                    handle=handle,
-                    message_type=message_type,
-                    validation=cached.value,
-                    body=data,
-                    now=time.time(),
-                )
-                if row is not None:
-                    tx._wrote = True
-                    # The statement already sent NOTIFY if, and only if, somebody waits.
-                    tx._notified_queues.add(row["queue_name"])
-                    tx._touched_queues.add(row["queue_name"])
-                    return int(row["message_sequence_number"])
+            seq = tx._send_fast(handle, message_type, data)
+            if seq is not None:
+                return seq
+        with self._operation() as tx:
             return tx._send_checked(handle, message_type, data)
 
     def receive(
@@ -195,6 +187,11 @@ class ConversationOperations:
             raise exceptions.InvalidArgument("give conversation or group, not both")
         handle = None if conversation is None else checks.handle(conversation)
         group_id = None if group is None else checks.handle(group, "conversation group id")
+        if handle is None and group_id is None:
+            with self._single_statement() as tx:
+                found = tx._receive_fast(queue, top)
+                if found:
+                    return found
         with self._operation() as tx:
             return tx._wait_for(
                 queue, wait, lambda: tx._receive_once(queue, top, handle, group_id), []

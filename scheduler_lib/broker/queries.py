@@ -18,6 +18,9 @@ def parse(source: str) -> dict[str, str]:
     :return: the queries by name, each without its header, description or trailing ``;``
     """
     queries: dict[str, str] = {}
+    for line in source.splitlines():
+        if line.startswith("-- name:") and not _HEADER.match(line):
+            raise ValueError(f"malformed query header {line!r}: names are letters, digits, _")
     parts = _HEADER.split(source)
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
         lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]

@@ -51,8 +51,9 @@ class Transaction(CatalogOperations, ConversationOperations):
     receiver.
     """
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, *, autocommit: bool = False) -> None:
         self._broker = broker
+        self._autocommit = autocommit  # only for single-statement operations
         self._store = broker._store
         self._connection: sa.Connection | None = None
         self._wrote = False
@@ -118,7 +119,10 @@ class Transaction(CatalogOperations, ConversationOperations):
     def _conn(self) -> sa.Connection:
         self._check_open()
         if self._connection is None:
-            self._connection = self._broker._engine.connect()
+            conn = self._broker._engine.connect()
+            if self._autocommit:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            self._connection = conn
         return self._connection
 
     def _release_while_idle(self) -> None:
@@ -206,6 +210,29 @@ class Transaction(CatalogOperations, ConversationOperations):
         return self._endpoint(handle)
 
     # --- sending ---------------------------------------------------------------------
+
+    def _send_fast(self, handle: str, message_type: str, data: bytes | None) -> int | None:
+        """SEND in one statement where the dialect has one and the message type's
+        validation is known; ``None`` means "use :meth:`_send_checked`"."""
+        cached = self._broker._validation_cache.get(message_type)
+        if cached is None or not self._store.has("send_fast"):
+            return None
+        checks.check_body(message_type, cached, data)
+        row = self._one(
+            "send_fast",
+            handle=handle,
+            message_type=message_type,
+            validation=cached.value,
+            body=data,
+            now=time.time(),
+        )
+        if row is None:
+            return None
+        self._wrote = True
+        # The statement already sent NOTIFY if, and only if, somebody waits.
+        self._notified_queues.add(row["queue_name"])
+        self._touched_queues.add(row["queue_name"])
+        return int(row["message_sequence_number"])
 
     def _send_checked(self, handle: str, message_type: str, data: bytes | None) -> int:
         """SEND with every check spelled out: the path that names what is wrong, creates
@@ -314,11 +341,10 @@ class Transaction(CatalogOperations, ConversationOperations):
     def _receive_once(
         self, queue: str, top: int, handle: str | None, group_id: str | None
     ) -> list[Message]:
-        if handle is None and group_id is None and self._store.has("receive_fast"):
-            rows = self._all("receive_fast", queue=queue, top=top)
-            if rows:
-                self._wrote = True
-                return _in_order([Message.from_row(r) for r in rows])
+        if handle is None and group_id is None:
+            found = self._receive_fast(queue, top)
+            if found:
+                return found
         info = self._queue(queue)
         if not info.is_receive_enabled:
             raise exceptions.QueueDisabled(f"queue {queue!r} is disabled (status off)")
@@ -340,6 +366,17 @@ class Transaction(CatalogOperations, ConversationOperations):
         if info.is_retention_enabled:
             take += "_retained"
         rows = self._all(take, top=top, **params)
+        self._wrote = True
+        return _in_order([Message.from_row(r) for r in rows])
+
+    def _receive_fast(self, queue: str, top: int) -> list[Message]:
+        """RECEIVE in one statement where the dialect has one; ``[]`` also when the queue
+        needs the checked path (unknown, disabled, retention)."""
+        if not self._store.has("receive_fast"):
+            return []
+        rows = self._all("receive_fast", queue=queue, top=top)
+        if not rows:
+            return []
         self._wrote = True
         return _in_order([Message.from_row(r) for r in rows])
 

@@ -49,6 +49,10 @@ def timeout(value: Any, what: str = "timeout") -> float | None:
         )
     if value < 0:
         raise exceptions.InvalidArgument(f"{what} must not be negative, got {value!r}")
+    if math.isinf(value):
+        raise exceptions.InvalidArgument(
+            f"{what} must be finite, got {value!r}", hint="None means wait forever"
+        )
     return float(value)
 
 
@@ -101,8 +105,13 @@ def check_body(message_type: str, validation: Validation, body: bytes | None) ->
             ) from None
     elif validation is Validation.JSON:
         try:
-            json.loads(body)
+            json.loads(body, parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as exc:
             raise exceptions.InvalidMessageBody(
                 f"message type {message_type!r} requires a JSON body: {exc}"
             ) from None
+
+
+def _reject_constant(constant: str) -> Any:
+    # NaN and Infinity are Python's extension, not JSON (RFC 8259); other readers refuse them.
+    raise ValueError(f"{constant} is not valid JSON")

@@ -23,6 +23,7 @@ CHANNEL = "scheduler_lib_broker"
 SQLITE_WATCH_INTERVAL = 0.005  # seconds between reads of PRAGMA data_version
 SQLITE_POLL_INTERVAL = 0.5  # seconds; fallback re-check by a waiter on SQLite
 POSTGRESQL_POLL_INTERVAL = 1.0  # seconds; fallback should a NOTIFY be missed
+LISTEN_POLL_TIMEOUT = 0.1  # seconds; how quickly the listener notices stop()
 LISTENER_RECONNECT_DELAY = 1.0  # seconds before the LISTEN connection is reopened
 
 
@@ -100,7 +101,7 @@ class PostgresListener:
                     self._ready.set()
                     self._wakeups.notify_all()  # anything sent while we were away
                     while not self._stopped.is_set():
-                        for notification in conn.notifies(timeout=0.5):
+                        for notification in conn.notifies(timeout=LISTEN_POLL_TIMEOUT):
                             self._wakeups.notify({notification.payload})
             except Exception:  # a dropped connection must not kill wakeups for good
                 self._ready.clear()
