@@ -36,8 +36,11 @@ Measures, in one run, each in its own freshly created (and afterwards dropped) d
     reports the rate and the extrapolated time). Both databases then get VACUUM ANALYZE
     (what autovacuum would have done) and a CHECKPOINT before the timed receives.
 
-Throughput is messages received per second, summed over the processes. Each worker times
-its own window of --duration seconds after all reached a common start line; statement
+(a), (b) and (c) run in --rounds rounds that take turns (a b c, b c a, c a b), so that
+load from elsewhere on the machine drifts into all three alike; the JSON has each round's
+rate and a breakdown of the machine's CPU (this run's processes, their backends, foreign
+work). Throughput is messages received per second, summed over the processes; each worker
+times its own window after all reached a common start line; statement
 counts come from SQLAlchemy's before_cursor_execute on the worker's engine (main thread
 only: the broker's timer and LISTEN threads are not counted) during the warm-up.
 
@@ -500,85 +503,71 @@ def latency_sender(
 # --- measurements ----------------------------------------------------------------------
 
 
-def summarize_throughput(results: list[dict[str, Any]], per_send: int) -> dict[str, Any]:
+def summarize_throughput(rounds: list[list[dict[str, Any]]], per_send: int) -> dict[str, Any]:
+    """One measurement's figures from its rounds (each: the workers' results)."""
+    results = [r for workers in rounds for r in workers]
     received = sum(r["received"] for r in results)
     sent = sum(r["sent"] for r in results)
     receives = sum(r["receives"] for r in results)
-    first = next(r for r in results if "machine_busy" in r)
-    acc = first["accounts"]
+    rates = [sum(r["received"] / r["elapsed"] for r in workers) for workers in rounds]
+    firsts = [next(r for r in workers if "machine_busy" in r) for workers in rounds]
+    machine = sum(f["machine_cpu_s"] for f in firsts)  # CPU seconds of all cores
+    acc = {k: sum(f["accounts"][k] for f in firsts) for k in firsts[0]["accounts"]}
+    busy = sum(f["machine_busy"] * f["machine_cpu_s"] for f in firsts) / machine
+    steal = sum(f["steal"] * f["machine_cpu_s"] for f in firsts) / machine
 
     def pct(seconds: float) -> float:
-        return round(100 * seconds / first["machine_cpu_s"], 1)
+        return round(100 * seconds / machine, 1)
 
     return {
-        "messages_per_s": round(sum(r["received"] / r["elapsed"] for r in results), 1),
+        # rounds are equally long: the mean of their rates
+        "messages_per_s": round(statistics.mean(rates), 1),
+        "messages_per_s_by_round": [round(x, 1) for x in rates],
         "messages_received": received,
         "messages_sent": sent,
-        "elapsed_s": round(max(r["elapsed"] for r in results), 2),
+        "elapsed_s": round(sum(max(r["elapsed"] for r in workers) for workers in rounds), 2),
         "empty_receives": sum(r["empty"] for r in results),
         "ms_per_send_txn": round(1000 * sum(r["send_time"] for r in results) * per_send / sent, 3),
         "ms_per_receive_txn": round(1000 * sum(r["receive_time"] for r in results) / receives, 3),
         "client_cpu_ms_per_message": round(1000 * sum(r["cpu"] for r in results) / received, 3),
         "server_cpu_ms_per_message": round(1000 * acc["backends"] / received, 3),
-        "machine_cpu_busy_pct": round(100 * first["machine_busy"], 1),
-        # shares of the machine's CPU over the window (2 cores = 100 %)
+        "machine_cpu_busy_pct": round(100 * busy, 1),
+        # shares of the machine's CPU over the timed windows (2 cores = 100 %)
         "cpu_pct": {
             "clients": pct(acc["clients"]),
             "backends": pct(acc["backends"]),
             "postgres_server_processes": pct(acc["server"]),
             "kernel_threads": pct(acc["kernel"]),
-            "steal": round(100 * first["steal"], 1),
+            "steal": round(100 * steal, 1),
             "foreign": pct(acc["foreign"]),
-            # interrupts, and processes that ended during the window (short-lived foreign
+            # interrupts, and processes that ended during a window (short-lived foreign
             # work among them)
-            "unattributed": round(
-                100 * first["machine_busy"] - 100 * first["steal"] - pct(sum(acc.values())), 1
-            ),
+            "unattributed": round(100 * (busy - steal) - pct(sum(acc.values())), 1),
         },
     }
 
 
-def measure_raw(workers: Workers, duration: float) -> dict[str, Any]:
-    n = workers.processes
-    with database("raw") as url:
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(
-                "CREATE TABLE bench_raw (id bigserial PRIMARY KEY, conversation integer NOT NULL,"
-                " body bytea)"
-            )
-        start = workers.barrier(n)
-        results = workers.run(
-            raw_worker, [(url, i, duration, start) for i in range(n)], timeout=duration + 120
-        )
-    out = summarize_throughput(results, 1)
-    out["processes"] = n
+def summarize_raw(rounds: list[list[dict[str, Any]]], processes: int) -> dict[str, Any]:
+    out = summarize_throughput(rounds, 1)
+    out["processes"] = processes
     out["ms_per_insert_txn"] = out.pop("ms_per_send_txn")
     out["ms_per_delete_txn"] = out.pop("ms_per_receive_txn")
     out["empty_deletes"] = out.pop("empty_receives")
     return out
 
 
-def measure_broker(
-    workers: Workers, conversations: int, top: int, duration: float
+def summarize_broker(
+    rounds: list[list[dict[str, Any]]], processes: int, conversations: int, top: int
 ) -> dict[str, Any]:
-    n = workers.processes
-    with database(f"top{top}") as url:
-        handles = setup_broker(url, conversations)
-        per = conversations // n
-        start = workers.barrier(n)
-        results = workers.run(
-            broker_worker,
-            [(url, i, handles[i * per : (i + 1) * per], top, duration, start) for i in range(n)],
-            timeout=duration + 240,
-        )
     per_send = 1 if top == 1 else BATCH
-    out = summarize_throughput(results, per_send)
+    out = summarize_throughput(rounds, per_send)
+    results = [r for workers in rounds for r in workers]
     # A worker's first sends still find a few cold caches; count from its third on.
     send_counts = [c for r in results for c in r["send_statements"][2:] or r["send_statements"]]
     receive_counts = [c for r in results for c in r["receive_statements"]]
     checkouts = [c for r in results for c in r["checkouts"]]
     out.update(
-        processes=n,
+        processes=processes,
         conversations=conversations,
         receive_top=top,
         sends_per_send_txn=per_send,
@@ -601,6 +590,52 @@ def measure_broker(
         out["send_txn_statements"] = [s[:80] for s in sample["send_sample"]]
         out["receive_txn_statements"] = [s[:80] for s in sample["receive_sample"]]
     return out
+
+
+def measure_throughput(
+    workers: Workers, conversations: int, duration: float, rounds: int
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(a), (b) and (c), each for ``duration`` seconds in all, in ``rounds`` rounds that
+    take turns (a b c, b c a, c a b, ...) so that load from elsewhere hits all three alike."""
+    n = workers.processes
+    per = conversations // n
+    window = duration / rounds
+    with database("raw") as raw_url, database("top1") as top1_url, database("top100") as top100_url:
+        with psycopg.connect(raw_url, autocommit=True) as conn:
+            conn.execute(
+                "CREATE TABLE bench_raw (id bigserial PRIMARY KEY, conversation integer NOT NULL,"
+                " body bytea)"
+            )
+        handles = {
+            1: setup_broker(top1_url, conversations),
+            BATCH: setup_broker(top100_url, conversations),
+        }
+        urls = {1: top1_url, BATCH: top100_url}
+
+        def run(phase: str) -> list[dict[str, Any]]:
+            start = workers.barrier(n)
+            if phase == "a":
+                args = [(raw_url, i, window, start) for i in range(n)]
+                return workers.run(raw_worker, args, timeout=window + 120)
+            top = 1 if phase == "b" else BATCH
+            args = [
+                (urls[top], i, handles[top][i * per : (i + 1) * per], top, window, start)
+                for i in range(n)
+            ]
+            return workers.run(broker_worker, args, timeout=window + 240)
+
+        phases = ["a", "b", "c"]
+        results: dict[str, list[list[dict[str, Any]]]] = {p: [] for p in phases}
+        for r in range(rounds):
+            for phase in phases[r % 3 :] + phases[: r % 3]:
+                results[phase].append(run(phase))
+                rate = sum(x["received"] / x["elapsed"] for x in results[phase][-1])
+                log(f"round {r + 1}/{rounds}: ({phase}) {rate:.1f} msg/s")
+    return (
+        summarize_raw(results["a"], n),
+        summarize_broker(results["b"], n, conversations, 1),
+        summarize_broker(results["c"], n, conversations, BATCH),
+    )
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -975,7 +1010,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         + (" + uncommitted scheduler_lib changes" if m["git"].get("scheduler_lib_dirty") else ""),
         "",
         f"{report['config']['processes']} processes, {report['config']['conversations']} "
-        f"conversations, {report['config']['duration_s']} s per throughput measurement, "
+        f"conversations, {report['config']['duration_s']} s per throughput measurement "
+        f"(in {report['config']['rounds']} rounds taking turns), "
         f"{len(BODY)}-byte bodies; design in `bench/broker_throughput.py`'s docstring.",
         "",
         *(
@@ -1019,6 +1055,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--duration", type=float, help="seconds per throughput measurement")
     parser.add_argument("--quick", action="store_true", help="~30 s smoke run")
+    parser.add_argument(
+        "--rounds", type=int, help="rounds that (a), (b), (c) take turns in (default 3; quick 1)"
+    )
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--samples", type=int, help="wake-up latency samples (default 200)")
@@ -1036,6 +1075,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quick = args.quick
     duration = args.duration or (3.0 if quick else 30.0)
+    rounds = args.rounds or (1 if quick else 3)
     samples = args.samples or (30 if quick else 200)
     retained = args.retained or (10_000 if quick else 100_000)
     api_conversations = args.api_conversations or (100 if quick else 1000)
@@ -1043,7 +1083,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.conversations % args.processes:
         parser.error("--conversations must be a multiple of --processes")
 
-    started = time.monotonic()
+    waiting = time.monotonic()
     idle_check = busy_pct(1.0)
     waited_until = time.monotonic() + (args.wait_idle or 0)
     while idle_check > BUSY_WARNING_PCT and time.monotonic() < waited_until:
@@ -1051,6 +1091,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_check = busy_pct(5.0)
     if idle_check > BUSY_WARNING_PCT:
         log(f"warning: the machine is {idle_check}% busy before the start; figures will be noisy")
+    started = time.monotonic()
     workers = Workers(args.processes)  # spawning while we look around
     report: dict[str, Any] = {
         "benchmark": "broker_throughput",
@@ -1062,6 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_facts(),
         "config": {
             "duration_s": duration,
+            "rounds": rounds,
             "processes": args.processes,
             "conversations": args.conversations,
             "body_bytes": len(BODY),
@@ -1072,16 +1114,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     report["machine"]["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
     report["machine"]["cpu_busy_pct_before_start"] = idle_check
+    report["waited_for_quiet_s"] = round(started - waiting, 1)
     try:
-        log(f"(a) raw ceiling: {args.processes} processes, {duration} s")
-        report["a_raw"] = measure_raw(workers, duration)
-        log(f"(a) {report['a_raw']['messages_per_s']} msg/s")
-        log(f"(b) broker top=1: {args.processes} processes, {args.conversations} conversations")
-        report["b_broker_top1"] = measure_broker(workers, args.conversations, 1, duration)
-        log(f"(b) {report['b_broker_top1']['messages_per_s']} msg/s")
-        log(f"(c) broker top={BATCH}, {BATCH} sends per send transaction")
-        report["c_broker_top100"] = measure_broker(workers, args.conversations, BATCH, duration)
-        log(f"(c) {report['c_broker_top100']['messages_per_s']} msg/s")
+        log(
+            f"(a), (b), (c): {args.processes} processes, {args.conversations} conversations, "
+            f"{duration} s each in {rounds} rounds"
+        )
+        a, b, c = measure_throughput(workers, args.conversations, duration, rounds)
+        report["a_raw"], report["b_broker_top1"], report["c_broker_top100"] = a, b, c
+        log(
+            f"(a) {a['messages_per_s']} msg/s, (b) {b['messages_per_s']} msg/s, "
+            f"(c) {c['messages_per_s']} msg/s"
+        )
         log(f"(d) wake-up latency, {samples} samples")
         report["d_wakeup_latency"] = measure_latency(workers, samples)
         log(

@@ -134,9 +134,9 @@ WITH grp AS (
     LIMIT 1
     FOR UPDATE OF g SKIP LOCKED
 ), picked AS (
+    -- The group id as a scalar, so this walks ix_queue_messages_group, never the queue.
     SELECT m.message_id FROM queue_messages m
-    JOIN grp ON m.conversation_group_id = grp.conversation_group_id
-    WHERE m.status = 1
+    WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
     ORDER BY m.priority DESC, m.conversation_handle, m.message_sequence_number
     LIMIT :top
 )
