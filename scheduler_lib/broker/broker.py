@@ -141,6 +141,7 @@ class Broker(CatalogOperations, ConversationOperations):
             self._listener.wait_ready(LISTEN_READY_TIMEOUT)
         name = "queue_add_waiter" if delta > 0 else "queue_remove_waiter"
         with self._engine.begin() as conn:
+            self._store.execute(conn, "commit_without_fsync")
             self._store.execute(conn, name, name=queue)
 
     # --- timers ----------------------------------------------------------------------

@@ -23,6 +23,15 @@ ORDER BY m.priority DESC, m.message_id
 LIMIT 1
 FOR UPDATE OF g SKIP LOCKED;
 
+-- name: receive_pick_aged
+-- With aging on: lock the group of the oldest message waiting past the bound.
+SELECT g.conversation_group_id FROM queue_messages m
+JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
+WHERE m.queue_name = :queue AND m.status = 1 AND m.enqueued_at <= :cutoff
+ORDER BY m.enqueued_at, m.message_id
+LIMIT 1
+FOR UPDATE OF g SKIP LOCKED;
+
 -- name: receive_lock_group
 -- Lock a named group of the queue, if it has ready messages and nobody else holds it.
 SELECT g.conversation_group_id FROM conversation_groups g
@@ -119,9 +128,9 @@ SELECT sender.message_sequence_number, far.queue_name,
 FROM far, sender, (SELECT count(*) AS n FROM enqueued) AS e;
 
 -- name: receive_fast
--- RECEIVE in one round trip from an enabled queue without retention: lock the first
--- group nobody holds and take its first :top messages. No row back: nothing was there,
--- or the queue needs the checked slow path (unknown, disabled, retention).
+-- RECEIVE in one round trip from an enabled queue without retention or aging: lock the
+-- first group nobody holds and take its first :top messages. No row back: nothing was
+-- there, or the queue needs the checked slow path (unknown, disabled, retention, aging).
 WITH grp AS (
     SELECT g.conversation_group_id FROM queue_messages m
     JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
@@ -129,6 +138,7 @@ WITH grp AS (
     AND EXISTS (
         SELECT 1 FROM queues q
         WHERE q.queue_name = :queue AND q.is_receive_enabled AND NOT q.is_retention_enabled
+        AND q.receive_aging_seconds IS NULL
     )
     ORDER BY m.priority DESC, m.message_id
     LIMIT 1
@@ -142,3 +152,8 @@ WITH grp AS (
 )
 DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
 RETURNING m.*;
+
+-- name: commit_without_fsync
+-- For bookkeeping nobody must find after a crash (the waiting-receiver count): the
+-- commit need not wait for the WAL flush, so the receiver returns sooner.
+SET LOCAL synchronous_commit TO OFF;
