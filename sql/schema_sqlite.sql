@@ -148,3 +148,32 @@ INSERT INTO contract_message_types (contract_name, message_type_name, sent_by) V
 
 INSERT INTO broker_alembic_version (version_num) VALUES ('0001') RETURNING version_num;
 
+-- Running upgrade 0001 -> 0002
+
+CREATE TABLE conversation_priorities (
+    priority_name VARCHAR(128) NOT NULL, 
+    contract_name VARCHAR(128), 
+    local_service_name VARCHAR(128), 
+    remote_service_name VARCHAR(128), 
+    priority_level SMALLINT NOT NULL, 
+    created_at FLOAT NOT NULL, 
+    PRIMARY KEY (priority_name), 
+    CONSTRAINT priority_level_in_range CHECK (priority_level BETWEEN 1 AND 10)
+);
+
+CREATE UNIQUE INDEX uq_conversation_priorities_match ON conversation_priorities (coalesce(contract_name, ''), coalesce(local_service_name, ''), coalesce(remote_service_name, ''));
+
+CREATE TABLE broker_settings (
+    setting_name VARCHAR(128) NOT NULL, 
+    setting_value VARCHAR(256) NOT NULL, 
+    PRIMARY KEY (setting_name)
+);
+
+INSERT INTO broker_settings (setting_name, setting_value) VALUES ('honor_broker_priority', 'false');
+
+ALTER TABLE queues ADD COLUMN receive_aging_seconds FLOAT;
+
+CREATE INDEX ix_queue_messages_age ON queue_messages (queue_name, enqueued_at) WHERE status = 1;
+
+UPDATE broker_alembic_version SET version_num='0002' WHERE broker_alembic_version.version_num = '0001';
+

@@ -25,11 +25,13 @@ from scheduler_lib.broker.exceptions import (
     TransactionError,
 )
 from scheduler_lib.broker.models import (
+    ANY,
     DEFAULT,
     DIALOG_TIMER,
     END_DIALOG,
     ERROR,
     ConversationEndpoint,
+    ConversationPriority,
     EndpointState,
     Message,
     MessageStatus,
@@ -40,6 +42,7 @@ from scheduler_lib.broker.models import (
 from scheduler_lib.broker.transaction import Transaction
 
 __all__ = [
+    "ANY",
     "DEFAULT",
     "DIALOG_TIMER",
     "END_DIALOG",
@@ -52,6 +55,7 @@ __all__ = [
     "ConversationEndpoint",
     "ConversationGroupNotFound",
     "ConversationNotFound",
+    "ConversationPriority",
     "ConversationStateError",
     "DatabaseError",
     "EndpointState",

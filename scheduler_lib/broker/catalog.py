@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.models import (
+    ANY,
     SYSTEM_MESSAGE_TYPES,
+    ConversationPriority,
     QueueInfo,
     SentBy,
     Validation,
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from scheduler_lib.broker.transaction import Transaction
 
 _UNSET: Any = object()
+DEFAULT_PRIORITY_LEVEL = 5  # level of an endpoint no priority matches
 
 
 def _enum(enum_type: Any, value: Any, what: str) -> Any:
@@ -181,6 +184,7 @@ class CatalogOperations:
         max_queue_readers: int = 0,
         execute_as: str | None = None,
         poison_message_handling: bool = True,
+        receive_aging: float | None = None,
     ) -> None:
         """CREATE QUEUE.
 
@@ -194,6 +198,8 @@ class CatalogOperations:
         :param max_queue_readers: most readers activated at once
         :param execute_as: identity recorded for activated readers
         :param poison_message_handling: disable the queue after five rollbacks in a row
+        :param receive_aging: seconds after which a waiting message is served ahead of
+            higher priority levels (oldest first); ``None`` (the default) turns aging off
         :raises AlreadyExists: if the name is taken
         """
         settings = _queue_settings(
@@ -205,6 +211,7 @@ class CatalogOperations:
             max_readers=max_queue_readers,
             execute_as=execute_as,
             poison_message_handling=poison_message_handling,
+            receive_aging=receive_aging,
         )
         with self._operation() as tx:
             if tx._one("queue_get", name=name):
@@ -222,6 +229,7 @@ class CatalogOperations:
         max_queue_readers: int = _UNSET,
         execute_as: str | None = _UNSET,
         poison_message_handling: bool = _UNSET,
+        receive_aging: float | None = _UNSET,
     ) -> QueueInfo:
         """ALTER QUEUE: change the given settings, keep the others.
 
@@ -241,6 +249,7 @@ class CatalogOperations:
                 "max_readers": max_queue_readers,
                 "execute_as": execute_as,
                 "poison_message_handling": poison_message_handling,
+                "receive_aging": receive_aging,
             }
             merged = {
                 "status": current.is_receive_enabled,
@@ -250,6 +259,7 @@ class CatalogOperations:
                 "max_readers": current.max_readers,
                 "execute_as": current.execute_as,
                 "poison_message_handling": current.is_poison_message_handling_enabled,
+                "receive_aging": current.receive_aging_seconds,
             }
             merged.update({k: v for k, v in changes.items() if v is not _UNSET})
             settings = _queue_settings(name=name, **merged)
@@ -385,6 +395,141 @@ class CatalogOperations:
                 )
             tx._execute("service_delete", name=name)
 
+    # --- priorities ------------------------------------------------------------------
+
+    def create_priority(
+        self,
+        name: str,
+        *,
+        contract: str | None = ANY,
+        local_service: str | None = ANY,
+        remote_service: str | None = ANY,
+        level: int = DEFAULT_PRIORITY_LEVEL,
+    ) -> None:
+        """CREATE BROKER PRIORITY.
+
+        An endpoint takes its level when it is created, from the most specific priority
+        that matches it (contract+local+remote, contract+local, contract+remote,
+        contract, local+remote, local, remote), else 5. Local and remote are from that
+        endpoint's side: for the initiator endpoint the local service is the initiator.
+
+        :param contract: a contract, or ``ANY`` (``None``)
+        :param local_service: a service of this broker, or ``ANY``
+        :param remote_service: the far service's name (it may live on another broker), or
+            ``ANY``
+        :param level: 1 (lowest) to 10 (highest)
+        :raises AlreadyExists: for a taken name, or a priority with the same three names
+        """
+        name = checks.name(name, "priority name")
+        with self._operation() as tx:
+            if tx._one("priority_get", name=name):
+                raise exceptions.AlreadyExists(f"priority {name!r} already exists")
+            fields = _priority_fields(tx, name, contract, local_service, remote_service, level)
+            tx._execute("priority_insert", name=name, now=time.time(), **fields)
+
+    def alter_priority(
+        self,
+        name: str,
+        *,
+        contract: str | None = _UNSET,
+        local_service: str | None = _UNSET,
+        remote_service: str | None = _UNSET,
+        level: int = _UNSET,
+    ) -> ConversationPriority:
+        """ALTER BROKER PRIORITY: change what is given (``None`` sets ``ANY``). Existing
+        endpoints keep their level; only endpoints created afterwards see the change.
+
+        :raises NotFound: for an unknown name
+        """
+        with self._operation() as tx:
+            current = _priority(tx, name)
+            fields = _priority_fields(
+                tx,
+                name,
+                current.contract_name if contract is _UNSET else contract,
+                current.local_service_name if local_service is _UNSET else local_service,
+                current.remote_service_name if remote_service is _UNSET else remote_service,
+                current.priority_level if level is _UNSET else level,
+            )
+            tx._execute("priority_update", name=name, **fields)
+            return _priority(tx, name)
+
+    def drop_priority(self, name: str) -> None:
+        """DROP BROKER PRIORITY (existing endpoints keep their level).
+
+        :raises NotFound: for an unknown name
+        """
+        with self._operation() as tx:
+            _priority(tx, name)
+            tx._execute("priority_delete", name=name)
+
+    def conversation_priorities(self) -> list[ConversationPriority]:
+        """Every priority (``sys.conversation_priorities``)."""
+        with self._operation() as tx:
+            return [ConversationPriority.from_row(r) for r in tx._all("priority_list")]
+
+    def set_honor_broker_priority(self, honor: bool) -> None:
+        """ALTER DATABASE ... SET HONOR_BROKER_PRIORITY: whether the transmission queue
+        sends higher levels first (RECEIVE always honours levels)."""
+        if not isinstance(honor, bool):
+            raise exceptions.InvalidArgument(f"honor must be True or False, got {honor!r}")
+        with self._operation() as tx:
+            tx._execute(
+                "setting_set", name="honor_broker_priority", value="true" if honor else "false"
+            )
+
+    def honor_broker_priority(self) -> bool:
+        """Whether the transmission queue honours priority levels."""
+        with self._operation() as tx:
+            return tx._scalar("setting_get", name="honor_broker_priority") == "true"
+
+
+def _priority(tx: Transaction, name: str) -> ConversationPriority:
+    row = tx._one("priority_get", name=name)
+    if row is None:
+        raise exceptions.NotFound(f"priority {name!r} does not exist")
+    return ConversationPriority.from_row(row)
+
+
+def _priority_fields(
+    tx: Transaction,
+    name: str,
+    contract: str | None,
+    local_service: str | None,
+    remote_service: str | None,
+    level: Any,
+) -> dict[str, Any]:
+    if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= 10:
+        raise exceptions.InvalidArgument(
+            f"priority {name!r}: level must be an integer from 1 to 10, got {level!r}"
+        )
+    if contract is not None and not tx._one("contract_exists", name=contract):
+        raise exceptions.ContractNotFound(
+            f"priority {name!r} names contract {contract!r}, which does not exist"
+        )
+    if local_service is not None:
+        tx._service(local_service)
+    if remote_service is not None:
+        checks.name(remote_service, "remote service name")
+    clash = tx._scalar(
+        "priority_same_match",
+        name=name,
+        contract=contract,
+        local_service=local_service,
+        remote_service=remote_service,
+    )
+    if clash is not None:
+        raise exceptions.AlreadyExists(
+            f"priority {clash!r} already matches contract={contract or 'ANY'}, "
+            f"local_service={local_service or 'ANY'}, remote_service={remote_service or 'ANY'}"
+        )
+    return {
+        "contract": contract,
+        "local_service": local_service,
+        "remote_service": remote_service,
+        "level": level,
+    }
+
 
 def _queue_settings(**settings: Any) -> dict[str, Any]:
     for flag in ("status", "retention", "activation_status", "poison_message_handling"):
@@ -402,6 +547,12 @@ def _queue_settings(**settings: Any) -> dict[str, Any]:
         raise exceptions.InvalidArgument(
             f"activation_procedure must be a dotted path or None, got {procedure!r}"
         )
+    aging = settings["receive_aging"]
+    if aging is not None:
+        aging = checks.timeout(aging, "receive_aging")
+        if aging == 0:
+            raise exceptions.InvalidArgument("receive_aging must be greater than 0 (or None: off)")
+        settings["receive_aging"] = aging
     if settings["activation_status"] and not procedure:
         raise exceptions.InvalidArgument("activation needs an activation_procedure")
     return settings

@@ -29,7 +29,6 @@ from scheduler_lib.broker.models import (
 if TYPE_CHECKING:
     from scheduler_lib.broker.transaction import Transaction
 
-DEFAULT_PRIORITY = 5  # level of endpoints no priority matches (the priorities issue assigns others)
 SENDABLE_STATES = frozenset({"SO", "SI", "CO"})
 
 
@@ -116,7 +115,6 @@ class ConversationOperations:
                 queue=queue,
                 group_id=group_id,
                 state=EndpointState.STARTED_OUTBOUND.value,
-                priority=DEFAULT_PRIORITY,
                 lifetime_expires_at=None if lifetime is None else now + lifetime,
                 now=now,
             )

@@ -54,7 +54,7 @@ DIALOG_TIMER = "DialogTimer"
 SYSTEM_MESSAGE_TYPES = frozenset({END_DIALOG, ERROR, DIALOG_TIMER})
 
 DEFAULT = "DEFAULT"  # the DEFAULT message type and contract every broker has
-ANY = None  # wildcard in priority matching (used by the priorities issue)
+ANY = None  # wildcard in priority matching: the priority applies to every name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +163,7 @@ class QueueInfo:
     max_readers: int
     execute_as: str | None
     is_poison_message_handling_enabled: bool
+    receive_aging_seconds: float | None  # None: aging off
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> QueueInfo:
@@ -175,4 +176,26 @@ class QueueInfo:
             max_readers=int(row["max_readers"]),
             execute_as=row["execute_as"],
             is_poison_message_handling_enabled=bool(row["is_poison_message_handling_enabled"]),
+            receive_aging_seconds=row["receive_aging_seconds"],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversationPriority:
+    """A broker priority, as ``sys.conversation_priorities`` shows it (``None`` = ANY)."""
+
+    name: str
+    contract_name: str | None
+    local_service_name: str | None
+    remote_service_name: str | None
+    priority_level: int
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> ConversationPriority:
+        return cls(
+            name=row["priority_name"],
+            contract_name=row["contract_name"],
+            local_service_name=row["local_service_name"],
+            remote_service_name=row["remote_service_name"],
+            priority_level=int(row["priority_level"]),
         )

@@ -15,7 +15,6 @@ from scheduler_lib.broker import exceptions, wakeup
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import (
-    DEFAULT_PRIORITY,
     SENDABLE_STATES,
     ConversationOperations,
     state_error,
@@ -203,7 +202,6 @@ class Transaction(CatalogOperations, ConversationOperations):
             queue=target["queue_name"],
             group_id=group_id,
             state=EndpointState.STARTED_INBOUND.value,
-            priority=DEFAULT_PRIORITY,
             lifetime_expires_at=endpoint.lifetime_expires_at,
             now=now,
         )
@@ -358,7 +356,7 @@ class Transaction(CatalogOperations, ConversationOperations):
             if group_id is not None:
                 locked = self._scalar("receive_lock_group", queue=queue, group_id=group_id)
             else:
-                locked = self._scalar("receive_pick_group", queue=queue)
+                locked = self._pick_group(info)
             if locked is None:
                 return []
             take = "receive_take_group"
@@ -368,6 +366,18 @@ class Transaction(CatalogOperations, ConversationOperations):
         rows = self._all(take, top=top, **params)
         self._wrote = True
         return _in_order([Message.from_row(r) for r in rows])
+
+    def _pick_group(self, queue: QueueInfo, query: str = "receive_pick_group") -> str | None:
+        """Lock the group to serve next: with aging on, the group of the oldest message
+        that waited past the bound, whatever its level; otherwise (or if none has) the
+        group of the highest-level message, oldest first."""
+        if queue.receive_aging_seconds is not None:
+            cutoff = time.time() - queue.receive_aging_seconds
+            aged = self._scalar("receive_pick_aged", queue=queue.name, cutoff=cutoff)
+            if aged is not None:
+                return str(aged)
+        picked = self._scalar(query, queue=queue.name)
+        return None if picked is None else str(picked)
 
     def _receive_fast(self, queue: str, top: int) -> list[Message]:
         """RECEIVE in one statement where the dialect has one; ``[]`` also when the queue
@@ -384,7 +394,7 @@ class Transaction(CatalogOperations, ConversationOperations):
         info = self._queue(queue)
         if not info.is_receive_enabled:
             raise exceptions.QueueDisabled(f"queue {queue!r} is disabled (status off)")
-        group_id = self._scalar("get_group_pick", queue=queue)
+        group_id = self._pick_group(info, query="get_group_pick")
         if group_id is None:
             return None
         self._wrote = True  # the group stays locked until the transaction ends

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import sqlite3
+import warnings
 from typing import Any
 
 import psycopg
@@ -19,39 +20,56 @@ def _reflect(url: str) -> dict[str, Any]:
     """Tables, columns, keys, indexes and checks as SQLAlchemy's inspector sees them."""
     eng = sa.create_engine(engine.normalize_url(url))
     try:
-        inspector = sa.inspect(eng)
-        shape: dict[str, Any] = {}
-        for table in sorted(inspector.get_table_names()):
-            shape[table] = {
-                "columns": [
-                    (c["name"], str(c["type"]), c["nullable"], str(c.get("default")))
-                    for c in inspector.get_columns(table)
-                ],
-                "pk": inspector.get_pk_constraint(table)["constrained_columns"],
-                "fks": sorted(
-                    (tuple(f["constrained_columns"]), f["referred_table"], str(f.get("options")))
-                    for f in inspector.get_foreign_keys(table)
-                ),
-                "indexes": sorted(
-                    (
-                        i["name"],
-                        tuple(str(c) for c in i["column_names"]),
-                        bool(i["unique"]),
-                        str(sorted((k, str(v)) for k, v in i.get("dialect_options", {}).items())),
-                    )
-                    for i in inspector.get_indexes(table)
-                ),
-                "uniques": sorted(
-                    (u["name"], tuple(u["column_names"]))
-                    for u in inspector.get_unique_constraints(table)
-                ),
-                "checks": sorted(
-                    (c["name"], c["sqltext"]) for c in inspector.get_check_constraints(table)
-                ),
-            }
-        return shape
+        with warnings.catch_warnings():
+            # SQLite's reflection skips expression indexes; they are compared below.
+            warnings.simplefilter("ignore", sa.exc.SAWarning)
+            return _reflect_with(eng)
     finally:
         eng.dispose()
+
+
+def _reflect_with(eng: sa.Engine) -> dict[str, Any]:
+    inspector = sa.inspect(eng)
+    shape: dict[str, Any] = {}
+    for table in sorted(inspector.get_table_names()):
+        shape[table] = {
+            "columns": [
+                (c["name"], str(c["type"]), c["nullable"], str(c.get("default")))
+                for c in inspector.get_columns(table)
+            ],
+            "pk": inspector.get_pk_constraint(table)["constrained_columns"],
+            "fks": sorted(
+                (tuple(f["constrained_columns"]), f["referred_table"], str(f.get("options")))
+                for f in inspector.get_foreign_keys(table)
+            ),
+            "indexes": sorted(
+                (
+                    i["name"],
+                    tuple(str(c) for c in i["column_names"]),
+                    bool(i["unique"]),
+                    str(sorted((k, str(v)) for k, v in i.get("dialect_options", {}).items())),
+                )
+                for i in inspector.get_indexes(table)
+            ),
+            "uniques": sorted(
+                (u["name"], tuple(u["column_names"]))
+                for u in inspector.get_unique_constraints(table)
+            ),
+            "checks": sorted(
+                (c["name"], c["sqltext"]) for c in inspector.get_check_constraints(table)
+            ),
+        }
+    with eng.connect() as conn:
+        if eng.dialect.name == "sqlite":
+            rows = conn.exec_driver_sql(
+                "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+            )
+        else:
+            rows = conn.exec_driver_sql(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'"
+            )
+        shape["index definitions"] = sorted((name, " ".join(sql.split())) for name, sql in rows)
+    return shape
 
 
 def _apply_script(url: str, script: str) -> None:

@@ -67,10 +67,10 @@ DELETE FROM contracts WHERE contract_name = :name;
 INSERT INTO queues (
     queue_name, is_receive_enabled, is_retention_enabled, is_activation_enabled,
     activation_procedure, max_readers, execute_as, is_poison_message_handling_enabled,
-    waiting_receivers, created_at, modified_at
+    receive_aging_seconds, waiting_receivers, created_at, modified_at
 ) VALUES (
     :name, :status, :retention, :activation_status, :activation_procedure, :max_readers,
-    :execute_as, :poison_message_handling, 0, :now, :now
+    :execute_as, :poison_message_handling, :receive_aging, 0, :now, :now
 );
 
 -- name: queue_get
@@ -91,6 +91,7 @@ UPDATE queues SET
     max_readers = :max_readers,
     execute_as = :execute_as,
     is_poison_message_handling_enabled = :poison_message_handling,
+    receive_aging_seconds = :receive_aging,
     modified_at = :now
 WHERE queue_name = :name;
 
@@ -217,7 +218,18 @@ INSERT INTO conversation_endpoints (
     receive_sequence, lifetime_expires_at, timer_due_at, created_at
 ) VALUES (
     :handle, :conversation_id, :is_initiator, :service, :far_service, :contract, :queue,
-    :group_id, :state, :priority, 0, 0, :lifetime_expires_at, NULL, :now
+    :group_id, :state, coalesce((
+        -- The endpoint's level, fixed now: the most specific matching priority, in SQL
+        -- Server's precedence (contract, local, remote), else the default 5.
+        SELECT p.priority_level FROM conversation_priorities p
+        WHERE (p.contract_name IS NULL OR p.contract_name = CAST(:contract AS VARCHAR))
+        AND (p.local_service_name IS NULL OR p.local_service_name = CAST(:service AS VARCHAR))
+        AND (p.remote_service_name IS NULL
+            OR p.remote_service_name = CAST(:far_service AS VARCHAR))
+        ORDER BY (p.contract_name IS NOT NULL) DESC, (p.local_service_name IS NOT NULL) DESC,
+            (p.remote_service_name IS NOT NULL) DESC
+        LIMIT 1
+    ), 5), 0, 0, :lifetime_expires_at, NULL, :now
 );
 
 -- name: endpoint_get
@@ -356,6 +368,14 @@ WHERE queue_name = :queue AND status = 1
 ORDER BY priority DESC, message_id
 LIMIT 1;
 
+-- name: receive_pick_aged
+-- With aging on: the group of the oldest message that has waited past the queue's bound,
+-- served ahead of every level.
+SELECT conversation_group_id FROM queue_messages
+WHERE queue_name = :queue AND status = 1 AND enqueued_at <= :cutoff
+ORDER BY enqueued_at, message_id
+LIMIT 1;
+
 -- name: receive_lock_group
 -- Lock a named group of the queue, if it has ready messages and nobody else holds it.
 SELECT g.conversation_group_id FROM conversation_groups g
@@ -453,3 +473,45 @@ SELECT min(t) FROM (
     SELECT min(lifetime_expires_at) FROM conversation_endpoints
     WHERE lifetime_expires_at IS NOT NULL AND state <> 'ER'
 ) AS deadlines;
+
+-- name: priority_insert
+-- CREATE BROKER PRIORITY.
+INSERT INTO conversation_priorities (
+    priority_name, contract_name, local_service_name, remote_service_name, priority_level,
+    created_at
+) VALUES (:name, :contract, :local_service, :remote_service, :level, :now);
+
+-- name: priority_get
+-- One priority.
+SELECT * FROM conversation_priorities WHERE priority_name = :name;
+
+-- name: priority_list
+-- sys.conversation_priorities.
+SELECT * FROM conversation_priorities ORDER BY priority_name;
+
+-- name: priority_same_match
+-- Another priority with the same contract / local / remote triple (ANY = NULL).
+SELECT priority_name FROM conversation_priorities
+WHERE coalesce(contract_name, '') = coalesce(CAST(:contract AS VARCHAR), '')
+AND coalesce(local_service_name, '') = coalesce(CAST(:local_service AS VARCHAR), '')
+AND coalesce(remote_service_name, '') = coalesce(CAST(:remote_service AS VARCHAR), '')
+AND priority_name <> :name;
+
+-- name: priority_update
+-- ALTER BROKER PRIORITY (the caller merged the changes); endpoints keep their level.
+UPDATE conversation_priorities SET contract_name = :contract,
+    local_service_name = :local_service, remote_service_name = :remote_service,
+    priority_level = :level
+WHERE priority_name = :name;
+
+-- name: priority_delete
+-- DROP BROKER PRIORITY.
+DELETE FROM conversation_priorities WHERE priority_name = :name;
+
+-- name: setting_get
+-- A broker-wide setting.
+SELECT setting_value FROM broker_settings WHERE setting_name = :name;
+
+-- name: setting_set
+-- Change a broker-wide setting.
+UPDATE broker_settings SET setting_value = :value WHERE setting_name = :name;
