@@ -53,7 +53,14 @@ class Broker(CatalogOperations, ConversationOperations):
         engine_options: dict[str, Any] | None = None,
     ) -> None:
         self._engine = engines.create_engine(url, **(engine_options or {}))
-        self._store = store.Store(self._engine.dialect.name)
+        self._store = store.Store(self._engine.dialect)
+        # Single-statement fast paths run on connections that are always in autocommit,
+        # rather than switching a pooled connection back and forth on every checkout.
+        self._autocommit_engine: sa.Engine | None = None
+        if self._store.is_postgresql:
+            self._autocommit_engine = engines.create_engine(
+                url, isolation_level="AUTOCOMMIT", **(engine_options or {})
+            )
         self.max_message_size = max_message_size
         # Message type -> validation, for SEND's fast path; the statement re-checks the
         # validation in the database, so a stale entry costs a slow path, never a wrong send.
@@ -96,7 +103,7 @@ class Broker(CatalogOperations, ConversationOperations):
     def _single_statement(self) -> Iterator[Transaction]:
         # One statement is atomic by itself: autocommit saves the BEGIN and COMMIT round
         # trips. Only the fast paths run here; they fall back to _operation() otherwise.
-        with Transaction(self, autocommit=self._store.is_postgresql) as tx:
+        with Transaction(self, autocommit=self._autocommit_engine is not None) as tx:
             yield tx
 
     def close(self) -> None:
@@ -112,6 +119,8 @@ class Broker(CatalogOperations, ConversationOperations):
         if self._watcher is not None:
             self._watcher.stop()
         self._engine.dispose()
+        if self._autocommit_engine is not None:
+            self._autocommit_engine.dispose()
 
     def __enter__(self) -> Broker:
         return self

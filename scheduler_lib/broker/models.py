@@ -57,6 +57,22 @@ DEFAULT = "DEFAULT"  # the DEFAULT message type and contract every broker has
 ANY = None  # wildcard in priority matching: the priority applies to every name
 
 
+# The columns of a received message, in the order the fast paths return them.
+MESSAGE_COLUMNS = (
+    "queue_name",
+    "conversation_group_id",
+    "conversation_handle",
+    "message_sequence_number",
+    "message_type_name",
+    "message_body",
+    "priority",
+    "service_name",
+    "service_contract_name",
+    "enqueued_at",
+    "status",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Message:
     """One received message."""

@@ -22,6 +22,7 @@ from scheduler_lib.broker.conversations import (
 from scheduler_lib.broker.models import (
     DIALOG_TIMER,
     ERROR,
+    MESSAGE_COLUMNS,
     ConversationEndpoint,
     EndpointState,
     Message,
@@ -118,10 +119,8 @@ class Transaction(CatalogOperations, ConversationOperations):
     def _conn(self) -> sa.Connection:
         self._check_open()
         if self._connection is None:
-            conn = self._broker._engine.connect()
-            if self._autocommit:
-                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-            self._connection = conn
+            engine = self._broker._autocommit_engine if self._autocommit else None
+            self._connection = (engine or self._broker._engine).connect()
         return self._connection
 
     def _release_while_idle(self) -> None:
@@ -216,7 +215,8 @@ class Transaction(CatalogOperations, ConversationOperations):
         if cached is None or not self._store.has("send_fast"):
             return None
         checks.check_body(message_type, cached, data)
-        row = self._one(
+        rows = self._store.rows(
+            self._conn(),
             "send_fast",
             handle=handle,
             message_type=message_type,
@@ -224,13 +224,14 @@ class Transaction(CatalogOperations, ConversationOperations):
             body=data,
             now=time.time(),
         )
-        if row is None:
+        if not rows:
             return None
+        seq, queue, _notified = rows[0]
         self._wrote = True
         # The statement already sent NOTIFY if, and only if, somebody waits.
-        self._notified_queues.add(row["queue_name"])
-        self._touched_queues.add(row["queue_name"])
-        return int(row["message_sequence_number"])
+        self._notified_queues.add(queue)
+        self._touched_queues.add(queue)
+        return int(seq)
 
     def _send_checked(self, handle: str, message_type: str, data: bytes | None) -> int:
         """SEND with every check spelled out: the path that names what is wrong, creates
@@ -384,11 +385,13 @@ class Transaction(CatalogOperations, ConversationOperations):
         needs the checked path (unknown, disabled, retention)."""
         if not self._store.has("receive_fast"):
             return []
-        rows = self._all("receive_fast", queue=queue, top=top)
+        rows = self._store.rows(self._conn(), "receive_fast", queue=queue, top=top)
         if not rows:
             return []
         self._wrote = True
-        return _in_order([Message.from_row(r) for r in rows])
+        return _in_order(
+            [Message.from_row(dict(zip(MESSAGE_COLUMNS, r, strict=True))) for r in rows]
+        )
 
     def _get_group_once(self, queue: str) -> uuid.UUID | None:
         info = self._queue(queue)

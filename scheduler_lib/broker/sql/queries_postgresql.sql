@@ -151,7 +151,9 @@ WITH grp AS (
     LIMIT :top
 )
 DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
-RETURNING m.*;
+RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
+    m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
+    m.service_name, m.service_contract_name, m.enqueued_at, m.status;
 
 -- name: commit_without_fsync
 -- For bookkeeping nobody must find after a crash (the waiting-receiver count): the
