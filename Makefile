@@ -28,6 +28,7 @@ lint: $(STAMP)
 ## Benchmarks on the local PostgreSQL; figures are appended to docs/benchmarks.md.
 bench: $(STAMP)
 	$(PY) -m bench.broker_throughput
+	$(PY) -m bench.priority_throughput
 
 ## Regenerate the reference DDL in sql/ from the migrations.
 sql: $(STAMP)

@@ -179,5 +179,52 @@ CREATE INDEX ix_queue_messages_age ON queue_messages (queue_name, enqueued_at) W
 
 UPDATE broker_alembic_version SET version_num='0002' WHERE broker_alembic_version.version_num = '0001';
 
+-- Running upgrade 0002 -> 0003
+
+CREATE TABLE activated_tasks (
+    task_id VARCHAR(36) NOT NULL, 
+    queue_name VARCHAR(128) NOT NULL, 
+    procedure_name VARCHAR(512) NOT NULL, 
+    runtime_id VARCHAR(36) NOT NULL, 
+    host_name VARCHAR(256) NOT NULL, 
+    process_id INTEGER NOT NULL, 
+    reader_name VARCHAR(256) NOT NULL, 
+    execute_as VARCHAR(128), 
+    started_at FLOAT(53) NOT NULL, 
+    heartbeat_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (task_id)
+);
+
+CREATE INDEX ix_activated_tasks_queue ON activated_tasks (queue_name);
+
+CREATE INDEX ix_activated_tasks_runtime ON activated_tasks (runtime_id);
+
+CREATE TABLE queue_monitors (
+    queue_name VARCHAR(128) NOT NULL, 
+    state VARCHAR(24) NOT NULL, 
+    last_empty_rowset_at FLOAT(53), 
+    last_activated_at FLOAT(53), 
+    last_notified_at FLOAT(53), 
+    notified_head_message_id BIGINT, 
+    updated_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (queue_name), 
+    CONSTRAINT monitor_state_known CHECK (state IN ('INACTIVE', 'NOTIFIED', 'RECEIVES_OCCURRING'))
+);
+
+CREATE TABLE event_notifications (
+    notification_name VARCHAR(128) NOT NULL, 
+    queue_name VARCHAR(128) NOT NULL, 
+    event_type VARCHAR(32) NOT NULL, 
+    to_service_name VARCHAR(128) NOT NULL, 
+    conversation_handle VARCHAR(36), 
+    created_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (notification_name), 
+    CONSTRAINT event_type_known CHECK (event_type IN ('QUEUE_ACTIVATION', 'BROKER_QUEUE_DISABLED'))
+);
+
+CREATE INDEX ix_event_notifications_queue ON event_notifications (queue_name);
+
+UPDATE broker_alembic_version SET version_num='0003' WHERE broker_alembic_version.version_num = '0002';
+
 COMMIT;
 

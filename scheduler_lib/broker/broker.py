@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import sqlalchemy as sa
@@ -21,6 +21,7 @@ from scheduler_lib.broker.transaction import Transaction
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_SIZE = 64 * 1024 * 1024  # bytes of body a message may carry
+EMPTY_RECEIVE_STAMP_INTERVAL = 0.25  # seconds; how often a process stamps empty receives
 TIMER_POLL_INTERVAL = 1.0  # seconds; the timer thread re-reads the soonest deadline this often
 LISTEN_READY_TIMEOUT = 10.0  # seconds to wait for LISTEN before the first receive relies on it
 
@@ -41,6 +42,7 @@ class Broker(CatalogOperations, ConversationOperations):
     :param timers: run the timer thread that fires conversation timers and lifetimes
         while this broker is open, whether or not anybody waits on those queues
     :param max_message_size: largest body accepted by SEND, in bytes
+    :param clock: seconds since the epoch for activation bookkeeping (injectable for tests)
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class Broker(CatalogOperations, ConversationOperations):
         timers: bool = True,
         max_message_size: int = MAX_MESSAGE_SIZE,
         engine_options: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._engine = engines.create_engine(url, **(engine_options or {}))
         self._store = store.Store(self._engine.dialect)
@@ -73,6 +76,14 @@ class Broker(CatalogOperations, ConversationOperations):
         self._watcher_lock = threading.Lock()
         if self._store.is_postgresql:
             self._listener = wakeup.PostgresListener(self._engine, self._wakeups)
+        self.clock = clock
+        # SQLite: one writing transaction at a time, handed over in turn inside a process.
+        self._write_gate: threading.RLock | None = (
+            None if self._store.is_postgresql else threading.RLock()
+        )
+        self._write_gate_timeout = engines.SQLITE_BUSY_TIMEOUT
+        self._empty_stamped: dict[str, float] = {}
+        self._empty_stamp_lock = threading.Lock()
         self._closed = threading.Event()
         self._timer_wakeup = threading.Event()
         self._timer_thread: threading.Thread | None = None
@@ -134,6 +145,20 @@ class Broker(CatalogOperations, ConversationOperations):
         self._wakeups.notify(queues)
         if timers_changed:
             self._timer_wakeup.set()
+
+    def _record_empty_receive(self, queue: str) -> None:
+        """Stamp the queue monitor's last empty RECEIVE, at most every
+        ``EMPTY_RECEIVE_STAMP_INTERVAL`` per queue and process."""
+        now = time.time()
+        with self._empty_stamp_lock:
+            if now - self._empty_stamped.get(queue, 0.0) < EMPTY_RECEIVE_STAMP_INTERVAL:
+                return
+            self._empty_stamped[queue] = now
+        try:
+            with self._engine.begin() as conn:
+                self._store.execute(conn, "monitor_record_empty", queue=queue, now=self.clock())
+        except Exception:  # bookkeeping for monitors must never fail a receive
+            log.warning("could not record an empty receive on %s", queue, exc_info=True)
 
     def _watch_sqlite(self) -> None:
         """Start the SQLite watcher when the first receiver waits (PostgreSQL LISTENs)."""

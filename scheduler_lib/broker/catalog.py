@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 _UNSET: Any = object()
 DEFAULT_PRIORITY_LEVEL = 5  # level of an endpoint no priority matches
+EVENT_MESSAGE_TYPE = "EventNotification"  # what event notifications travel as
+EVENT_CONTRACT = "PostEventNotification"
+EVENT_SERVICE = "EventNotificationService"  # the broker's end of event dialogs
+EVENT_QUEUE = "EventNotificationQueue"
 
 
 def _enum(enum_type: Any, value: Any, what: str) -> Any:
@@ -267,7 +271,7 @@ class CatalogOperations:
             if settings["status"] and not current.is_receive_enabled:
                 tx._execute("transmission_release", queue=name)
                 tx._execute("transmission_delete_queue", queue=name)
-                tx._touched_queues.add(name)
+            tx._touched_queues.add(name)  # waiting receivers and the monitor look again
             return tx._queue(name)
 
     def queue(self, name: str) -> QueueInfo:
@@ -395,6 +399,74 @@ class CatalogOperations:
                 )
             tx._execute("service_delete", name=name)
 
+    # --- event notifications -----------------------------------------------------------
+
+    def create_event_notification(
+        self, name: str, queue: str, to_service: str, event_type: str = "QUEUE_ACTIVATION"
+    ) -> None:
+        """CREATE EVENT NOTIFICATION name ON QUEUE queue FOR event_type TO SERVICE to_service.
+
+        Events arrive as ``EventNotification`` messages (a JSON body with ``EventType``,
+        ``PostTime``, ``DatabaseName``, ``ObjectName``) on a dialog of contract
+        ``PostEventNotification``, which ``to_service`` must accept.
+
+        :param event_type: ``QUEUE_ACTIVATION`` or ``BROKER_QUEUE_DISABLED``
+        :raises AlreadyExists: for a taken name
+        :raises QueueNotFound, ServiceNotFound: for unknown names
+        :raises ServiceContractMismatch: when ``to_service`` does not accept the contract
+        """
+        name = checks.name(name, "event notification name")
+        if event_type not in ("QUEUE_ACTIVATION", "BROKER_QUEUE_DISABLED"):
+            raise exceptions.InvalidArgument(
+                f"event_type must be QUEUE_ACTIVATION or BROKER_QUEUE_DISABLED, got {event_type!r}"
+            )
+        with self._operation() as tx:
+            if tx._one("event_notification_get", name=name):
+                raise exceptions.AlreadyExists(f"event notification {name!r} already exists")
+            tx._queue(queue)
+            _ensure_event_catalog(tx)
+            tx._service(to_service)
+            if not tx._one("service_accepts", name=to_service, contract=EVENT_CONTRACT):
+                raise exceptions.ServiceContractMismatch(
+                    f"service {to_service!r} does not accept contract {EVENT_CONTRACT!r}",
+                    hint=f"alter_service({to_service!r}, add_contracts=[{EVENT_CONTRACT!r}])",
+                )
+            tx._execute(
+                "event_notification_insert",
+                name=name,
+                queue=queue,
+                event_type=event_type,
+                to_service=to_service,
+                now=time.time(),
+            )
+            tx._touched_queues.add(queue)
+
+    def drop_event_notification(self, name: str) -> None:
+        """DROP EVENT NOTIFICATION.
+
+        :raises NotFound: for an unknown name
+        """
+        with self._operation() as tx:
+            if not tx._one("event_notification_get", name=name):
+                raise exceptions.NotFound(f"event notification {name!r} does not exist")
+            tx._execute("event_notification_delete", name=name)
+
+    def event_notifications(self) -> list[Mapping[str, Any]]:
+        """Every event notification."""
+        with self._operation() as tx:
+            return tx._all("event_notification_list")
+
+    def activated_tasks(self) -> list[Mapping[str, Any]]:
+        """Readers running now (``sys.dm_broker_activated_tasks``)."""
+        with self._operation() as tx:
+            return tx._all("task_list")
+
+    def queue_monitors(self) -> list[Mapping[str, Any]]:
+        """Queue monitors with their state, last empty RECEIVE, readers running and
+        messages ready (``sys.dm_broker_queue_monitors``)."""
+        with self._operation() as tx:
+            return tx._all("monitor_list")
+
     # --- priorities ------------------------------------------------------------------
 
     def create_priority(
@@ -482,6 +554,41 @@ class CatalogOperations:
         """Whether the transmission queue honours priority levels."""
         with self._operation() as tx:
             return tx._scalar("setting_get", name="honor_broker_priority") == "true"
+
+
+def _ensure_event_catalog(tx: Transaction) -> None:
+    """The objects events travel with, made on first use: the ``EventNotification``
+    message type, the ``PostEventNotification`` contract, and the broker's own initiator
+    service ``EventNotificationService`` on ``EventNotificationQueue``."""
+    now = time.time()
+    if not tx._one("message_type_get", name=EVENT_MESSAGE_TYPE):
+        tx._execute("message_type_insert", name=EVENT_MESSAGE_TYPE, validation="JSON", now=now)
+    if not tx._one("contract_exists", name=EVENT_CONTRACT):
+        tx._execute("contract_insert", name=EVENT_CONTRACT, now=now)
+        tx._execute(
+            "contract_message_type_insert",
+            contract=EVENT_CONTRACT,
+            message_type=EVENT_MESSAGE_TYPE,
+            sent_by="INITIATOR",
+        )
+    if not tx._one("queue_get", name=EVENT_QUEUE):
+        tx._execute(
+            "queue_insert",
+            now=now,
+            **_queue_settings(
+                name=EVENT_QUEUE,
+                status=True,
+                retention=False,
+                activation_status=False,
+                activation_procedure=None,
+                max_readers=0,
+                execute_as=None,
+                poison_message_handling=False,
+                receive_aging=None,
+            ),
+        )
+    if not tx._one("service_get", name=EVENT_SERVICE):
+        tx._execute("service_insert", name=EVENT_SERVICE, queue=EVENT_QUEUE, now=now)
 
 
 def _priority(tx: Transaction, name: str) -> ConversationPriority:

@@ -189,10 +189,15 @@ class ConversationOperations:
             with self._single_statement() as tx:
                 found = tx._receive_fast(queue, top)
                 if found:
+                    tx._received_queues.add(queue)
                     return found
         with self._operation() as tx:
             return tx._wait_for(
-                queue, wait, lambda: tx._receive_once(queue, top, handle, group_id), []
+                queue,
+                wait,
+                lambda: tx._receive_once(queue, top, handle, group_id),
+                [],
+                unfiltered=handle is None and group_id is None,
             )
 
     def get_conversation_group(self, queue: str, timeout: float | None = None) -> uuid.UUID | None:

@@ -60,7 +60,9 @@ class Transaction(CatalogOperations, ConversationOperations):
         self._finished = False
         self._touched_queues: set[str] = set()  # got messages: wake local waiters
         self._notified_queues: set[str] = set()  # already NOTIFYed by the statement itself
+        self._received_queues: set[str] = set()  # their monitors re-check at our end
         self._timers_changed = False
+        self._in_gate = False
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -92,7 +94,10 @@ class Transaction(CatalogOperations, ConversationOperations):
         finally:
             conn.close()
             self._connection = None
-        self._broker._after_commit(frozenset(self._touched_queues), self._timers_changed)
+            self._leave_gate()
+        self._broker._after_commit(
+            frozenset(self._touched_queues | self._received_queues), self._timers_changed
+        )
 
     def rollback(self) -> None:
         """Roll back: nothing this transaction did remains; received messages are back."""
@@ -106,6 +111,9 @@ class Transaction(CatalogOperations, ConversationOperations):
                 conn.rollback()
             finally:
                 conn.close()
+                self._leave_gate()
+        # A rolled-back RECEIVE put messages back: their queue monitors look again.
+        self._broker._wakeups.notify(self._received_queues)
 
     def _check_open(self) -> None:
         if self._finished:
@@ -121,12 +129,34 @@ class Transaction(CatalogOperations, ConversationOperations):
         if self._connection is None:
             engine = self._broker._autocommit_engine if self._autocommit else None
             self._connection = (engine or self._broker._engine).connect()
+        self._enter_gate()
         return self._connection
 
     def _release_while_idle(self) -> None:
         """End the database transaction if it did nothing yet (so waiting holds no lock)."""
         if not self._wrote and self._connection is not None and self._connection.in_transaction():
             self._connection.rollback()
+            self._leave_gate()
+
+    def _enter_gate(self) -> None:
+        """SQLite: take this process's write gate before BEGIN IMMEDIATE. Threads of one
+        process then queue for the write lock in turn instead of racing SQLite's sleeping
+        busy handler, which lets a thread that commits and begins again starve the rest."""
+        gate = self._broker._write_gate
+        if gate is None or self._in_gate:
+            return
+        if not gate.acquire(timeout=self._broker._write_gate_timeout):
+            raise exceptions.DatabaseError(
+                "timed out waiting for another transaction of this process to end",
+                hint="on SQLite one transaction writes at a time; keep transactions short",
+            )
+        self._in_gate = True
+
+    def _leave_gate(self) -> None:
+        if self._in_gate:
+            self._in_gate = False
+            assert self._broker._write_gate is not None
+            self._broker._write_gate.release()
 
     # --- the one door, bound to this transaction's connection -------------------------
 
@@ -403,7 +433,15 @@ class Transaction(CatalogOperations, ConversationOperations):
         self._wrote = True  # the group stays locked until the transaction ends
         return uuid.UUID(group_id)
 
-    def _wait_for(self, queue: str, timeout: float | None, attempt: Callable[[], T], empty: T) -> T:
+    def _wait_for(
+        self,
+        queue: str,
+        timeout: float | None,
+        attempt: Callable[[], T],
+        empty: T,
+        *,
+        unfiltered: bool = True,
+    ) -> T:
         """Run ``attempt`` until it finds something or ``timeout`` passes (WAITFOR)."""
         broker = self._broker
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -413,11 +451,15 @@ class Transaction(CatalogOperations, ConversationOperations):
                 seen = broker._wakeups.generation(queue)
                 found = attempt()
                 if found:
+                    self._received_queues.add(queue)
                     return found
+                self._release_while_idle()
+                if unfiltered and not self._wrote:
+                    # Queue monitors read this as "a reader is here, waiting for work".
+                    broker._record_empty_receive(queue)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return empty
-                self._release_while_idle()
                 broker._watch_sqlite()
                 if broker._listener is not None and not waiter_registered:
                     # Senders NOTIFY only while somebody is registered; look once more

@@ -515,3 +515,116 @@ SELECT setting_value FROM broker_settings WHERE setting_name = :name;
 -- name: setting_set
 -- Change a broker-wide setting.
 UPDATE broker_settings SET setting_value = :value WHERE setting_name = :name;
+
+-- name: monitor_ensure
+-- A queue monitor row for a queue that activates (idempotent).
+INSERT INTO queue_monitors (queue_name, state, updated_at) VALUES (:queue, 'INACTIVE', :now)
+ON CONFLICT (queue_name) DO NOTHING;
+
+-- name: monitor_lock
+-- Lock a queue's monitor row: activation decisions of several runtimes take turns.
+SELECT * FROM queue_monitors WHERE queue_name = :queue;
+
+-- name: monitor_list
+-- sys.dm_broker_queue_monitors, with the readers running and messages ready.
+SELECT m.*,
+    (SELECT count(*) FROM activated_tasks t WHERE t.queue_name = m.queue_name) AS tasks_running,
+    (SELECT count(*) FROM queue_messages q
+     WHERE q.queue_name = m.queue_name AND q.status = 1) AS messages_ready
+FROM queue_monitors m ORDER BY m.queue_name;
+
+-- name: monitor_record_empty
+-- An unfiltered RECEIVE came back empty: somebody is there to take work.
+UPDATE queue_monitors SET last_empty_rowset_at = :now, state = 'RECEIVES_OCCURRING',
+    updated_at = :now
+WHERE queue_name = :queue;
+
+-- name: monitor_activated
+-- The monitor started a reader.
+UPDATE queue_monitors SET last_activated_at = :now, state = 'RECEIVES_OCCURRING',
+    updated_at = :now
+WHERE queue_name = :queue;
+
+-- name: monitor_notified
+-- The monitor posted a QUEUE_ACTIVATION event; it waits for a RECEIVE or the timeout.
+UPDATE queue_monitors SET last_notified_at = :now, notified_head_message_id = :head,
+    state = 'NOTIFIED', updated_at = :now
+WHERE queue_name = :queue;
+
+-- name: monitor_idle
+-- Nothing to do on the queue.
+UPDATE queue_monitors SET state = 'INACTIVE', updated_at = :now
+WHERE queue_name = :queue AND state <> 'INACTIVE';
+
+-- name: monitor_delete_unused
+-- Monitors of queues that no longer activate or no longer exist.
+DELETE FROM queue_monitors WHERE queue_name NOT IN (
+    SELECT queue_name FROM queues WHERE is_activation_enabled
+    UNION SELECT queue_name FROM event_notifications WHERE event_type = 'QUEUE_ACTIVATION'
+);
+
+-- name: queue_head
+-- The first ready message of a queue (the monitor's view of "is there work").
+SELECT min(message_id) FROM queue_messages WHERE queue_name = :queue AND status = 1;
+
+-- name: queues_activating
+-- Queues that need a monitor: activation on, or a QUEUE_ACTIVATION subscriber.
+SELECT queue_name FROM queues WHERE is_activation_enabled
+UNION SELECT queue_name FROM event_notifications WHERE event_type = 'QUEUE_ACTIVATION';
+
+-- name: task_insert
+-- A reader starts (sys.dm_broker_activated_tasks).
+INSERT INTO activated_tasks (
+    task_id, queue_name, procedure_name, runtime_id, host_name, process_id, reader_name,
+    execute_as, started_at, heartbeat_at
+) VALUES (
+    :task_id, :queue, :procedure, :runtime_id, :host, :pid, :reader, :execute_as, :now, :now
+);
+
+-- name: task_delete
+-- A reader has exited.
+DELETE FROM activated_tasks WHERE task_id = :task_id;
+
+-- name: task_count
+-- Readers running on a queue.
+SELECT count(*) FROM activated_tasks WHERE queue_name = :queue;
+
+-- name: task_list
+-- sys.dm_broker_activated_tasks.
+SELECT * FROM activated_tasks ORDER BY queue_name, started_at;
+
+-- name: tasks_heartbeat
+-- A runtime vouches for its readers.
+UPDATE activated_tasks SET heartbeat_at = :now WHERE runtime_id = :runtime_id;
+
+-- name: tasks_expire
+-- Readers whose runtime stopped vouching for them are gone (a crashed process).
+DELETE FROM activated_tasks WHERE heartbeat_at < :cutoff;
+
+-- name: event_notification_insert
+-- CREATE EVENT NOTIFICATION.
+INSERT INTO event_notifications (
+    notification_name, queue_name, event_type, to_service_name, conversation_handle,
+    created_at
+) VALUES (:name, :queue, :event_type, :to_service, NULL, :now);
+
+-- name: event_notification_get
+-- One event notification.
+SELECT * FROM event_notifications WHERE notification_name = :name;
+
+-- name: event_notification_list
+-- Every event notification.
+SELECT * FROM event_notifications ORDER BY notification_name;
+
+-- name: event_notifications_for
+-- The subscribers of one event on one queue.
+SELECT * FROM event_notifications WHERE queue_name = :queue AND event_type = :event_type
+ORDER BY notification_name;
+
+-- name: event_notification_set_dialog
+-- The dialog a subscription's events travel on.
+UPDATE event_notifications SET conversation_handle = :handle WHERE notification_name = :name;
+
+-- name: event_notification_delete
+-- DROP EVENT NOTIFICATION.
+DELETE FROM event_notifications WHERE notification_name = :name;

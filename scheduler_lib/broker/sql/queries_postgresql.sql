@@ -159,3 +159,7 @@ RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
 -- For bookkeeping nobody must find after a crash (the waiting-receiver count): the
 -- commit need not wait for the WAL flush, so the receiver returns sooner.
 SET LOCAL synchronous_commit TO OFF;
+
+-- name: monitor_lock
+-- Lock a queue's monitor row: activation decisions of several runtimes take turns.
+SELECT * FROM queue_monitors WHERE queue_name = :queue FOR UPDATE;

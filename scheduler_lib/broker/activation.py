@@ -1,0 +1,383 @@
+"""Activation: queue monitors that start readers (internal activation) or post
+``QUEUE_ACTIVATION`` events (external activation), as seed 000 describes.
+
+A monitor decides with the seed's two rules, never with the unread-message count alone:
+
+(a) the queue has messages and no activated reader is running; or
+(b) the queue has messages, nobody is waiting in an unfiltered RECEIVE, no unfiltered
+    RECEIVE has come back empty for ``empty_grace`` seconds (the readers are all busy
+    and messages pile up), and the last reader started at least ``empty_grace`` ago.
+
+"Nobody is waiting" is read from ``queue_monitors.last_empty_rowset_at``, which every
+unfiltered RECEIVE stamps when it comes back empty: a waiting receiver re-checks at least
+every poll interval and so keeps the stamp fresh, and a dead one stops. One conversation
+group is served by one reader at a time, so a backlog on a single conversation starts at
+most one more reader, which then waits — and while it waits, rule (b) does not fire.
+
+(The seed's sentence for (b) reads, in translation, as if RECEIVE *returned* empty for a
+few seconds; its own example — a second reader is started for a one-conversation backlog
+while the first never sees an empty result — only works the way it is implemented here.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from scheduler_lib.broker import exceptions
+from scheduler_lib.broker.catalog import EVENT_CONTRACT, EVENT_MESSAGE_TYPE, EVENT_SERVICE
+
+if TYPE_CHECKING:
+    from scheduler_lib.broker.broker import Broker
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL = 2.0  # seconds between a monitor's unprompted re-checks
+EMPTY_GRACE = 3.0  # seconds without an empty RECEIVE before readers count as busy
+HEARTBEAT_INTERVAL = 5.0  # seconds between a runtime's heartbeats for its readers
+HEARTBEAT_EXPIRY = 30.0  # seconds without a heartbeat after which a reader is gone
+NOTIFICATION_TIMEOUT = 30.0  # seconds an external activator has to RECEIVE before a re-post
+READER_MODES = ("thread", "process")
+
+QUEUE_ACTIVATION = "QUEUE_ACTIVATION"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one check of a queue decided (returned for tests and the ``queues`` view)."""
+
+    queue_name: str
+    messages_ready: bool
+    readers_running: int
+    readers_started: int
+    events_posted: int
+
+
+def resolve(dotted: str) -> Callable[..., Any]:
+    """The callable named by ``package.module.function`` or ``package.module:function``.
+
+    :raises InvalidArgument: when it cannot be imported
+    """
+    module_name, _, attribute = dotted.replace(":", ".").rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise exceptions.InvalidArgument(
+            f"cannot import activation procedure {dotted!r}: {exc}"
+        ) from None
+    if not callable(target):
+        raise exceptions.InvalidArgument(f"activation procedure {dotted!r} is not callable")
+    return target
+
+
+def _run_in_process(url: str, procedure: str, queue: str) -> None:
+    """A reader in its own process: a broker of its own, then the procedure."""
+    from scheduler_lib.broker.broker import Broker
+
+    with Broker(url, migrate=False, timers=False) as broker:
+        resolve(procedure)(broker, queue)
+
+
+class ActivationRuntime:
+    """Runs the queue monitors of one process and the readers they start.
+
+    ``scheduler-lib serve`` runs one; so does the Spark worker. Several runtimes on one
+    database cooperate: activation decisions lock the queue's monitor row, and each
+    runtime keeps its readers' heartbeats fresh and removes readers whose runtime died.
+
+    :param broker: the broker to serve
+    :param clock: seconds since the epoch (injectable for tests)
+    :param reader_mode: ``thread`` (default) or ``process``
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        clock: Callable[[], float] = time.time,
+        check_interval: float = CHECK_INTERVAL,
+        empty_grace: float = EMPTY_GRACE,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        heartbeat_expiry: float = HEARTBEAT_EXPIRY,
+        notification_timeout: float = NOTIFICATION_TIMEOUT,
+        reader_mode: str = "thread",
+    ) -> None:
+        if reader_mode not in READER_MODES:
+            raise exceptions.InvalidArgument(
+                f"reader_mode must be one of {READER_MODES}, got {reader_mode!r}"
+            )
+        self.broker = broker
+        self.clock = clock
+        self.check_interval = check_interval
+        self.empty_grace = empty_grace
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_expiry = heartbeat_expiry
+        self.notification_timeout = notification_timeout
+        self.reader_mode = reader_mode
+        self.runtime_id = str(uuid.uuid4())
+        self._host = socket.gethostname()
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._monitors: dict[str, threading.Thread] = {}
+        self._readers: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._listening: set[str] = set()
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> ActivationRuntime:
+        """Start the supervisor (monitors follow the catalog) and the heartbeat."""
+        self.broker._watch_sqlite()
+        for target, name in (
+            (self._supervise, "activation-supervisor"),
+            (self._beat, "activation-heartbeat"),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop monitoring and wait up to ``timeout`` for running readers to finish."""
+        self._stopped.set()
+        self.broker._wakeups.notify_all()
+        deadline = time.monotonic() + timeout
+        for thread in [*self._threads, *self._monitors.values(), *list(self._readers.values())]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for queue in list(self._listening):
+            self._listen(queue, False)
+
+    def __enter__(self) -> ActivationRuntime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def poke(self, queue: str) -> None:
+        """Make the queue's monitor re-check now (what arrivals and receives do)."""
+        self.broker._wakeups.notify({queue})
+
+    @property
+    def readers(self) -> int:
+        """Readers this runtime is running now."""
+        with self._lock:
+            return len(self._readers)
+
+    # --- monitors --------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._sync_monitors()
+            except Exception:
+                log.warning("activation supervisor: catalog refresh failed", exc_info=True)
+            self._stopped.wait(self.check_interval)
+
+    def _sync_monitors(self) -> None:
+        with self.broker.transaction() as tx:
+            tx._execute("monitor_delete_unused")
+            queues = {r["queue_name"] for r in tx._all("queues_activating")}
+            for queue in queues:
+                tx._execute("monitor_ensure", queue=queue, now=self.clock())
+        with self._lock:
+            for queue in queues - set(self._monitors):
+                thread = threading.Thread(
+                    target=self._monitor, args=(queue,), name=f"queue-monitor-{queue}", daemon=True
+                )
+                self._monitors[queue] = thread
+                thread.start()
+
+    def _monitor(self, queue: str) -> None:
+        wakeups = self.broker._wakeups
+        try:
+            while not self._stopped.is_set():
+                seen = wakeups.generation(queue)
+                try:
+                    decision = self.check(queue)
+                except exceptions.QueueNotFound:
+                    return
+                except Exception:
+                    log.warning("queue monitor %s: check failed", queue, exc_info=True)
+                    decision = None
+                if decision is None:
+                    return  # the queue no longer activates
+                # While no reader runs, arrivals must wake us across processes too.
+                self._listen(queue, decision.readers_running + decision.readers_started == 0)
+                wakeups.wait(queue, seen, self.check_interval)
+        finally:
+            self._listen(queue, False)
+            with self._lock:
+                self._monitors.pop(queue, None)
+
+    def _listen(self, queue: str, on: bool) -> None:
+        if on == (queue in self._listening) or self.broker._listener is None:
+            return
+        try:
+            self.broker._set_waiting(queue, +1 if on else -1)
+        except Exception:
+            log.warning("queue monitor %s: (un)registering for NOTIFY failed", queue, exc_info=True)
+            return
+        (self._listening.add if on else self._listening.discard)(queue)
+
+    def check(self, queue: str) -> Decision | None:
+        """Apply the activation rules to a queue once; start readers / post events.
+
+        :return: what was decided, or ``None`` when the queue no longer activates
+        """
+        now = self.clock()
+        started: list[tuple[str, str]] = []
+        posted = 0
+        with self.broker.transaction() as tx:
+            monitor = tx._one("monitor_lock", queue=queue)
+            if monitor is None:
+                return None
+            info = tx._queue(queue)
+            head = tx._scalar("queue_head", queue=queue)
+            running = int(tx._scalar("task_count", queue=queue))
+            if head is None or not info.is_receive_enabled:
+                tx._execute("monitor_idle", queue=queue, now=now)
+                return Decision(queue, head is not None, running, 0, 0)
+            last_empty = monitor["last_empty_rowset_at"]
+            nobody_waiting = last_empty is None or now - last_empty >= self.empty_grace
+            if info.is_activation_enabled and info.activation_procedure:
+                last_started = monitor["last_activated_at"]
+                settled = last_started is None or now - last_started >= self.empty_grace
+                needed = running == 0 or (nobody_waiting and settled)
+                if needed and running < info.max_readers:
+                    task_id = str(uuid.uuid4())
+                    tx._execute(
+                        "task_insert",
+                        task_id=task_id,
+                        queue=queue,
+                        procedure=info.activation_procedure,
+                        runtime_id=self.runtime_id,
+                        host=self._host,
+                        pid=os.getpid(),
+                        reader=f"{self.reader_mode}-{task_id[:8]}",
+                        execute_as=info.execute_as,
+                        now=now,
+                    )
+                    tx._execute("monitor_activated", queue=queue, now=now)
+                    started.append((task_id, info.activation_procedure))
+            posted = self._post_activation_events(tx, queue, monitor, head, nobody_waiting, now)
+        for task_id, procedure in started:
+            self._start_reader(task_id, queue, procedure)
+        return Decision(queue, True, running, len(started), posted)
+
+    def _post_activation_events(
+        self,
+        tx: Any,
+        queue: str,
+        monitor: Mapping[str, Any],
+        head: int,
+        nobody_waiting: bool,
+        now: float,
+    ) -> int:
+        subscribers = tx._all("event_notifications_for", queue=queue, event_type=QUEUE_ACTIVATION)
+        if not subscribers or not nobody_waiting:
+            return 0
+        if monitor["state"] == "NOTIFIED":
+            received_since = monitor["notified_head_message_id"] != head or (
+                monitor["last_empty_rowset_at"] or 0
+            ) > (monitor["last_notified_at"] or 0)
+            timed_out = now - (monitor["last_notified_at"] or 0) >= self.notification_timeout
+            if not (received_since or timed_out):
+                return 0
+        body = json.dumps(
+            {
+                "EventType": QUEUE_ACTIVATION,
+                "PostTime": now,
+                "DatabaseName": self.broker.url.database,
+                "ObjectName": queue,
+            }
+        )
+        for subscriber in subscribers:
+            handle = subscriber["conversation_handle"]
+            if handle is None or tx._one("endpoint_get", handle=handle) is None:
+                handle = str(
+                    tx.begin_dialog(EVENT_SERVICE, subscriber["to_service_name"], EVENT_CONTRACT)
+                )
+                tx._execute(
+                    "event_notification_set_dialog",
+                    name=subscriber["notification_name"],
+                    handle=handle,
+                )
+            tx.send(handle, EVENT_MESSAGE_TYPE, body)
+        tx._execute("monitor_notified", queue=queue, head=head, now=now)
+        return len(subscribers)
+
+    # --- readers ---------------------------------------------------------------------
+
+    def _start_reader(self, task_id: str, queue: str, procedure: str) -> None:
+        thread = threading.Thread(
+            target=self._run_reader,
+            args=(task_id, queue, procedure),
+            name=f"reader-{queue}-{task_id[:8]}",
+            daemon=True,
+        )
+        with self._lock:
+            self._readers[task_id] = thread
+        thread.start()
+
+    def _run_reader(self, task_id: str, queue: str, procedure: str) -> None:
+        try:
+            if self.reader_mode == "process":
+                url = self.broker.url.render_as_string(hide_password=False)
+                process = multiprocessing.get_context("spawn").Process(
+                    target=_run_in_process, args=(url, procedure, queue), daemon=True
+                )
+                process.start()
+                process.join()
+                if process.exitcode:
+                    log.warning("reader process for %s exited with %s", queue, process.exitcode)
+            else:
+                resolve(procedure)(self.broker, queue)
+        except Exception:
+            log.exception("activation procedure %s on queue %s failed", procedure, queue)
+        finally:
+            with contextlib.suppress(Exception), self.broker.transaction() as tx:
+                tx._execute("task_delete", task_id=task_id)
+            with self._lock:
+                self._readers.pop(task_id, None)
+            self.poke(queue)  # "all readers exited" is a reason to re-check at once
+
+    # --- heartbeats ------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self.heartbeat_interval):
+            try:
+                self.heartbeat()
+            except Exception:
+                log.warning("activation heartbeat failed", exc_info=True)
+
+    def heartbeat(self) -> int:
+        """Vouch for this runtime's readers and remove readers nobody vouched for within
+        ``heartbeat_expiry`` (their runtime died).
+
+        :return: how many dead readers were removed
+        """
+        now = self.clock()
+        with self.broker.transaction() as tx:
+            tx._execute("tasks_heartbeat", runtime_id=self.runtime_id, now=now)
+            return tx._count("tasks_expire", cutoff=now - self.heartbeat_expiry)
+
+
+@contextlib.contextmanager
+def running(broker: Broker, **options: Any) -> Iterator[ActivationRuntime]:
+    """An activation runtime for the duration of a ``with`` block."""
+    runtime = ActivationRuntime(broker, **options).start()
+    try:
+        yield runtime
+    finally:
+        runtime.stop()
