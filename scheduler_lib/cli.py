@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+import time
 
 from scheduler_lib import __version__
-from scheduler_lib.broker import BrokerError, engine, schema
+from scheduler_lib.broker import Broker, BrokerError, activation, engine, schema
 
 DB_ENV = "SCHEDULER_LIB_DB"  # default for --db
 
@@ -24,6 +27,61 @@ def _init(args: argparse.Namespace) -> int:
         print(f"{eng.url.render_as_string()}: schema already at revision {after}")
     else:
         print(f"{eng.url.render_as_string()}: schema upgraded from {before or 'empty'} to {after}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Run queue monitors and their readers until SIGTERM / SIGINT."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with Broker(args.db) as broker, activation.running(broker, reader_mode=args.readers) as rt:
+        print(f"serving {broker.url.render_as_string()} (runtime {rt.runtime_id})", flush=True)
+        stop.wait()
+    print("stopped", flush=True)
+    return 0
+
+
+def _queues(args: argparse.Namespace) -> int:
+    """Queues with their status, activation, monitors and readers."""
+    with Broker(args.db, timers=False) as broker:
+        monitors = {m["queue_name"]: m for m in broker.queue_monitors()}
+        rows = [
+            (
+                "queue",
+                "status",
+                "activation",
+                "readers",
+                "max",
+                "monitor",
+                "ready",
+                "last empty receive",
+            )
+        ]
+        for q in broker.queues():
+            m = monitors.get(q.name, {})
+            last_empty = m.get("last_empty_rowset_at")
+            rows.append(
+                (
+                    q.name,
+                    "ON" if q.is_receive_enabled else "OFF (disabled)",
+                    q.activation_procedure or "-" if q.is_activation_enabled else "off",
+                    str(m.get("tasks_running", 0)),
+                    str(q.max_readers),
+                    m.get("state", "-"),
+                    str(m.get("messages_ready", "-")),
+                    "-"
+                    if last_empty is None
+                    else time.strftime("%H:%M:%S", time.localtime(last_empty)),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print(
+                "  ".join(
+                    cell.ljust(width) for cell, width in zip(row, widths, strict=True)
+                ).rstrip()
+            )
     return 0
 
 
@@ -44,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"SQLAlchemy URL (default: ${DB_ENV} or {engine.DEFAULT_URL})",
     )
     init.set_defaults(run=_init)
+
+    db_default = os.environ.get(DB_ENV, engine.DEFAULT_URL)
+    serve = commands.add_parser("serve", help="run queue monitors and activated readers")
+    serve.add_argument("--db", default=db_default, help="SQLAlchemy URL")
+    serve.add_argument("--readers", choices=["thread", "process"], default="thread")
+    serve.set_defaults(run=_serve)
+
+    queues = commands.add_parser("queues", help="queues, monitors and running readers")
+    queues.add_argument("--db", default=db_default, help="SQLAlchemy URL")
+    queues.set_defaults(run=_queues)
 
     ddl = commands.add_parser("ddl", help="print the schema's DDL as the migrations create it")
     ddl.add_argument("--dialect", choices=["postgresql", "sqlite"], required=True)

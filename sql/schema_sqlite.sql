@@ -222,5 +222,11 @@ CREATE TABLE event_notifications (
 
 CREATE INDEX ix_event_notifications_queue ON event_notifications (queue_name);
 
+INSERT INTO message_types (message_type_name, validation, created_at) VALUES ('EventNotification', 'JSON', 0);
+
+INSERT INTO contracts (contract_name, created_at) VALUES ('PostEventNotification', 0);
+
+INSERT INTO contract_message_types (contract_name, message_type_name, sent_by) VALUES ('PostEventNotification', 'EventNotification', 'INITIATOR');
+
 UPDATE broker_alembic_version SET version_num='0003' WHERE broker_alembic_version.version_num = '0002';
 

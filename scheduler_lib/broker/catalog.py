@@ -557,20 +557,10 @@ class CatalogOperations:
 
 
 def _ensure_event_catalog(tx: Transaction) -> None:
-    """The objects events travel with, made on first use: the ``EventNotification``
-    message type, the ``PostEventNotification`` contract, and the broker's own initiator
-    service ``EventNotificationService`` on ``EventNotificationQueue``."""
+    """The broker's own initiator service for event dialogs, made on first use:
+    ``EventNotificationService`` on ``EventNotificationQueue`` (the ``EventNotification``
+    message type and ``PostEventNotification`` contract exist in every broker)."""
     now = time.time()
-    if not tx._one("message_type_get", name=EVENT_MESSAGE_TYPE):
-        tx._execute("message_type_insert", name=EVENT_MESSAGE_TYPE, validation="JSON", now=now)
-    if not tx._one("contract_exists", name=EVENT_CONTRACT):
-        tx._execute("contract_insert", name=EVENT_CONTRACT, now=now)
-        tx._execute(
-            "contract_message_type_insert",
-            contract=EVENT_CONTRACT,
-            message_type=EVENT_MESSAGE_TYPE,
-            sent_by="INITIATOR",
-        )
     if not tx._one("queue_get", name=EVENT_QUEUE):
         tx._execute(
             "queue_insert",

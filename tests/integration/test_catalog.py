@@ -28,8 +28,13 @@ from scheduler_lib.broker import (
 def test_message_types_create_list_drop(broker: Broker) -> None:
     # Given a freshly migrated broker
     # Then the DEFAULT message type (no validation) and the DEFAULT contract exist,
-    # the contract letting either side send DEFAULT
-    assert broker.message_types() == {DEFAULT: Validation.NONE}
+    # the contract letting either side send DEFAULT; so does what event notifications
+    # travel as (EventNotification on PostEventNotification)
+    assert broker.message_types() == {
+        DEFAULT: Validation.NONE,
+        "EventNotification": Validation.JSON,
+    }
+    assert broker.contract("PostEventNotification") == {"EventNotification": SentBy.INITIATOR}
     assert broker.contract(DEFAULT) == {DEFAULT: SentBy.ANY}
     # When one message type per validation is created (enum, text in any case, default)
     broker.create_message_type("None1", Validation.NONE)
@@ -40,6 +45,7 @@ def test_message_types_create_list_drop(broker: Broker) -> None:
     # Then each is listed with its validation (NONE when not given)
     assert broker.message_types() == {
         DEFAULT: Validation.NONE,
+        "EventNotification": Validation.JSON,
         "None1": Validation.NONE,
         "Empty1": Validation.EMPTY,
         "Xml1": Validation.WELL_FORMED_XML,

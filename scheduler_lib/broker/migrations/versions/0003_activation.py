@@ -68,9 +68,24 @@ def upgrade() -> None:
         ),
     )
     op.create_index("ix_event_notifications_queue", "event_notifications", ["queue_name"])
+    # Like DEFAULT, every broker has what event notifications travel as, so a subscriber's
+    # service can accept PostEventNotification before the first subscription exists.
+    op.execute(
+        "INSERT INTO message_types (message_type_name, validation, created_at) "
+        "VALUES ('EventNotification', 'JSON', 0)"
+    )
+    op.execute(
+        "INSERT INTO contracts (contract_name, created_at) VALUES ('PostEventNotification', 0)"
+    )
+    op.execute(
+        "INSERT INTO contract_message_types (contract_name, message_type_name, sent_by) "
+        "VALUES ('PostEventNotification', 'EventNotification', 'INITIATOR')"
+    )
 
 
 def downgrade() -> None:
+    op.execute("DELETE FROM contracts WHERE contract_name = 'PostEventNotification'")
+    op.execute("DELETE FROM message_types WHERE message_type_name = 'EventNotification'")
     op.drop_table("event_notifications")
     op.drop_table("queue_monitors")
     op.drop_table("activated_tasks")
