@@ -13,19 +13,16 @@ wait is a condition with a deadline, and every child is killed and joined in ``f
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
-import queue as queue_module
 import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import priority_workers as workers
 import pytest
+from multiproc import collect, running
 
 from scheduler_lib.broker import (
     ANY,
@@ -52,7 +49,6 @@ DEFAULT_LEVEL = 5
 
 CTX = multiprocessing.get_context("spawn")
 START_TIMEOUT = 30.0  # seconds for spawned workers to import, connect and meet
-RESULT_TIMEOUT = 60.0  # seconds for workers to report
 POLL_INTERVAL = 0.01  # seconds between checks inside a deadline loop
 
 
@@ -87,44 +83,6 @@ def _converse(
     reply = _only(broker.receive("InitiatorQueue", top=10, timeout=0))
     assert reply.conversation_handle == handle
     return handle, request, reply
-
-
-@contextlib.contextmanager
-def running(processes: Sequence[BaseProcess]) -> Iterator[None]:
-    """Start the processes; on the way out join them, killing any that lingers."""
-    started: list[BaseProcess] = []
-    try:
-        for process in processes:
-            process.start()
-            started.append(process)
-        yield
-    except BaseException:
-        for process in started:
-            if process.is_alive():
-                process.kill()
-        raise
-    finally:
-        for process in started:
-            process.join(timeout=15)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-
-
-def collect(results: Any, count: int, timeout: float = RESULT_TIMEOUT) -> list[tuple[int, Any]]:
-    """The ``(pid, payload)`` of ``count`` workers; fails on a worker error or silence."""
-    deadline = time.monotonic() + timeout
-    reports: list[tuple[int, Any]] = []
-    while len(reports) < count:
-        remaining = deadline - time.monotonic()
-        try:
-            status, pid, payload = results.get(timeout=max(remaining, 0.01))
-        except queue_module.Empty:
-            pytest.fail(f"only {len(reports)} of {count} workers reported within {timeout} s")
-        if status == "error":
-            pytest.fail(f"worker {pid} failed:\n{payload}")
-        reports.append((pid, payload))
-    return reports
 
 
 # --- 1. the seed's example -------------------------------------------------------------

@@ -8,7 +8,6 @@ killed and joined in a ``finally`` block.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import queue as queue_module
@@ -16,12 +15,11 @@ import signal
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from multiprocessing.process import BaseProcess
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import process_workers as workers
 import pytest
+from multiproc import collect, poll, running
 
 from scheduler_lib.broker import (
     DIALOG_TIMER,
@@ -36,8 +34,6 @@ pytestmark = pytest.mark.slow
 
 CTX = multiprocessing.get_context("spawn")
 START_TIMEOUT = 30.0  # seconds for spawned workers to import, connect and meet at a barrier
-RESULT_TIMEOUT = 60.0  # seconds for workers to report
-POLL_INTERVAL = 0.05  # seconds between checks inside a deadline loop
 LIFETIME_EXPIRED_CODE = -8489
 # A woken WAITFOR returns well before the polling fallbacks (0.5 s SQLite, 1 s PostgreSQL)
 # would have found the message: it was woken (data_version watcher, LISTEN/NOTIFY).
@@ -47,57 +43,6 @@ T = TypeVar("T")
 
 
 # --- helpers -------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def running(processes: Sequence[BaseProcess]) -> Iterator[None]:
-    """Start the processes; on the way out join them, killing any that lingers (and all
-    of them at once when the test failed)."""
-    started: list[BaseProcess] = []
-    try:
-        for process in processes:
-            process.start()
-            started.append(process)
-        yield
-    except BaseException:
-        for process in started:
-            if process.is_alive():
-                process.kill()
-        raise
-    finally:
-        for process in started:
-            process.join(timeout=15)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-
-
-def collect(results: Any, count: int, timeout: float = RESULT_TIMEOUT) -> list[tuple[int, Any]]:
-    """The ``(pid, payload)`` of ``count`` workers; fails on a worker error or silence."""
-    deadline = time.monotonic() + timeout
-    reports: list[tuple[int, Any]] = []
-    while len(reports) < count:
-        remaining = deadline - time.monotonic()
-        try:
-            status, pid, payload = results.get(timeout=max(remaining, 0.01))
-        except queue_module.Empty:
-            pytest.fail(f"only {len(reports)} of {count} workers reported within {timeout} s")
-        if status == "error":
-            pytest.fail(f"worker {pid} failed:\n{payload}")
-        reports.append((pid, payload))
-    return reports
-
-
-def poll(condition: Callable[[], T], timeout: float, what: str) -> T:
-    """Re-evaluate ``condition`` until it is truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"{what}: not within {timeout} s")
-        time.sleep(POLL_INTERVAL)
 
 
 def of_type(messages: list[Message], message_type: str) -> list[Message]:
