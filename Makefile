@@ -29,6 +29,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.broker_throughput
 	$(PY) -m bench.priority_throughput
+	$(PY) -m bench.activation_latency
 
 ## Regenerate the reference DDL in sql/ from the migrations.
 sql: $(STAMP)

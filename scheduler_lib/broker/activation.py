@@ -212,23 +212,29 @@ class ActivationRuntime:
                     decision = None
                 if decision is None:
                     return  # the queue no longer activates
-                # While no reader runs, arrivals must wake us across processes too.
-                self._listen(queue, decision.readers_running + decision.readers_started == 0)
+                # While no reader runs, arrivals must wake us across processes too. Having
+                # just registered, look once more: a message committed between our check
+                # and the registration sent no NOTIFY.
+                idle = decision.readers_running + decision.readers_started == 0
+                if self._listen(queue, idle) and idle:
+                    continue
                 wakeups.wait(queue, seen, self.check_interval)
         finally:
             self._listen(queue, False)
             with self._lock:
                 self._monitors.pop(queue, None)
 
-    def _listen(self, queue: str, on: bool) -> None:
+    def _listen(self, queue: str, on: bool) -> bool:
+        """Register (or unregister) for NOTIFY on the queue; whether that changed."""
         if on == (queue in self._listening) or self.broker._listener is None:
-            return
+            return False
         try:
             self.broker._set_waiting(queue, +1 if on else -1)
         except Exception:
             log.warning("queue monitor %s: (un)registering for NOTIFY failed", queue, exc_info=True)
-            return
+            return False
         (self._listening.add if on else self._listening.discard)(queue)
+        return True
 
     def check(self, queue: str) -> Decision | None:
         """Apply the activation rules to a queue once; start readers / post events.
