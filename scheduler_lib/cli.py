@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 from scheduler_lib import __version__
 from scheduler_lib.broker import Broker, BrokerError, activation, engine, schema
@@ -75,14 +76,45 @@ def _queues(args: argparse.Namespace) -> int:
                     else time.strftime("%H:%M:%S", time.localtime(last_empty)),
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            print(
-                "  ".join(
-                    cell.ljust(width) for cell, width in zip(row, widths, strict=True)
-                ).rstrip()
-            )
+        _print_table(rows)
+        tasks = broker.activated_tasks()
+        if tasks:
+            print()
+            readers: list[tuple[str, ...]] = [
+                (
+                    "reader task",
+                    "queue",
+                    "procedure",
+                    "execute as",
+                    "runtime",
+                    "host",
+                    "pid",
+                    "started",
+                )
+            ]
+            for t in tasks:
+                readers.append(
+                    (
+                        t["task_id"],
+                        t["queue_name"],
+                        t["procedure_name"],
+                        t["execute_as"] or "-",
+                        t["runtime_id"],
+                        t["host_name"],
+                        str(t["process_id"]),
+                        time.strftime("%H:%M:%S", time.localtime(t["started_at"])),
+                    )
+                )
+            _print_table(readers)
     return 0
+
+
+def _print_table(rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
 
 
 def _ddl(args: argparse.Namespace) -> int:

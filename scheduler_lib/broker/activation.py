@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import exceptions, wakeup
 from scheduler_lib.broker.catalog import EVENT_CONTRACT, EVENT_MESSAGE_TYPE, EVENT_SERVICE
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ HEARTBEAT_INTERVAL = 5.0  # seconds between a runtime's heartbeats for its reade
 HEARTBEAT_EXPIRY = 30.0  # seconds without a heartbeat after which a reader is gone
 NOTIFICATION_TIMEOUT = 30.0  # seconds an external activator has to RECEIVE before a re-post
 READER_MODES = ("thread", "process")
+PARENT_WATCH_INTERVAL = 0.2  # seconds; how soon a reader process notices its runtime died
 
 QUEUE_ACTIVATION = "QUEUE_ACTIVATION"
 
@@ -82,9 +83,19 @@ def resolve(dotted: str) -> Callable[..., Any]:
 
 
 def _run_in_process(url: str, procedure: str, queue: str) -> None:
-    """A reader in its own process: a broker of its own, then the procedure."""
+    """A reader in its own process: a broker of its own, then the procedure. It ends
+    itself when its runtime dies (even by SIGKILL), so no reader outlives the heartbeat
+    that vouched for it."""
     from scheduler_lib.broker.broker import Broker
 
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_WATCH_INTERVAL)
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, name="reader-parent-watch", daemon=True).start()
     with Broker(url, migrate=False, timers=False) as broker:
         resolve(procedure)(broker, queue)
 
@@ -177,12 +188,15 @@ class ActivationRuntime:
     # --- monitors --------------------------------------------------------------------
 
     def _supervise(self) -> None:
+        wakeups = self.broker._wakeups
         while not self._stopped.is_set():
+            seen = wakeups.generation(wakeup.CATALOG)
             try:
                 self._sync_monitors()
             except Exception:
                 log.warning("activation supervisor: catalog refresh failed", exc_info=True)
-            self._stopped.wait(self.check_interval)
+            # An ALTER QUEUE or a new subscription in this process wakes us at once.
+            wakeups.wait(wakeup.CATALOG, seen, self.check_interval)
 
     def _sync_monitors(self) -> None:
         with self.broker.transaction() as tx:
@@ -254,7 +268,8 @@ class ActivationRuntime:
             if head is None or not info.is_receive_enabled:
                 tx._execute("monitor_idle", queue=queue, now=now)
                 return Decision(queue, head is not None, running, 0, 0)
-            last_empty = monitor["last_empty_rowset_at"]
+            stamps = (monitor["last_empty_rowset_at"], self.broker.last_waiting_receiver(queue))
+            last_empty = max((t for t in stamps if t is not None), default=None)
             nobody_waiting = last_empty is None or now - last_empty >= self.empty_grace
             if info.is_activation_enabled and info.activation_procedure:
                 last_started = monitor["last_activated_at"]

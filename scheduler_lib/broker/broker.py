@@ -83,6 +83,7 @@ class Broker(CatalogOperations, ConversationOperations):
         )
         self._write_gate_timeout = engines.SQLITE_BUSY_TIMEOUT
         self._empty_stamped: dict[str, float] = {}
+        self._waiting_noted: dict[str, float] = {}
         self._empty_stamp_lock = threading.Lock()
         self._closed = threading.Event()
         self._timer_wakeup = threading.Event()
@@ -146,6 +147,23 @@ class Broker(CatalogOperations, ConversationOperations):
         if timers_changed:
             self._timer_wakeup.set()
 
+    def _note_blocked_receiver(self, queue: str) -> None:
+        """SQLite: a receiver that must queue for the write gate is waiting in RECEIVE
+        too (another transaction holds the database). Noted in memory for this process's
+        queue monitors; a database stamp would need the very lock it waits for."""
+        gate = self._write_gate
+        if gate is None:
+            return
+        if gate.acquire(blocking=False):
+            gate.release()
+            return
+        self._waiting_noted[queue] = self.clock()
+
+    def last_waiting_receiver(self, queue: str) -> float | None:
+        """When a receiver of this process last waited on the queue without the database
+        knowing (see :meth:`_note_blocked_receiver`)."""
+        return self._waiting_noted.get(queue)
+
     def _record_empty_receive(self, queue: str) -> None:
         """Stamp the queue monitor's last empty RECEIVE, at most every
         ``EMPTY_RECEIVE_STAMP_INTERVAL`` per queue and process."""
@@ -154,6 +172,7 @@ class Broker(CatalogOperations, ConversationOperations):
             if now - self._empty_stamped.get(queue, 0.0) < EMPTY_RECEIVE_STAMP_INTERVAL:
                 return
             self._empty_stamped[queue] = now
+        self._waiting_noted[queue] = self.clock()
         try:
             with self._engine.begin() as conn:
                 self._store.execute(conn, "monitor_record_empty", queue=queue, now=self.clock())

@@ -221,6 +221,7 @@ class CatalogOperations:
             if tx._one("queue_get", name=name):
                 raise exceptions.AlreadyExists(f"queue {name!r} already exists")
             tx._execute("queue_insert", now=time.time(), **settings)
+            tx._catalog_changed = True
 
     def alter_queue(
         self,
@@ -272,6 +273,7 @@ class CatalogOperations:
                 tx._execute("transmission_release", queue=name)
                 tx._execute("transmission_delete_queue", queue=name)
             tx._touched_queues.add(name)  # waiting receivers and the monitor look again
+            tx._catalog_changed = True
             return tx._queue(name)
 
     def queue(self, name: str) -> QueueInfo:
@@ -440,6 +442,7 @@ class CatalogOperations:
                 now=time.time(),
             )
             tx._touched_queues.add(queue)
+            tx._catalog_changed = True
 
     def drop_event_notification(self, name: str) -> None:
         """DROP EVENT NOTIFICATION.
@@ -450,6 +453,7 @@ class CatalogOperations:
             if not tx._one("event_notification_get", name=name):
                 raise exceptions.NotFound(f"event notification {name!r} does not exist")
             tx._execute("event_notification_delete", name=name)
+            tx._catalog_changed = True
 
     def event_notifications(self) -> list[Mapping[str, Any]]:
         """Every event notification."""

@@ -62,6 +62,7 @@ class Transaction(CatalogOperations, ConversationOperations):
         self._notified_queues: set[str] = set()  # already NOTIFYed by the statement itself
         self._received_queues: set[str] = set()  # their monitors re-check at our end
         self._timers_changed = False
+        self._catalog_changed = False  # activation runtimes look at the catalog again
         self._in_gate = False
 
     # --- lifecycle -------------------------------------------------------------------
@@ -95,9 +96,10 @@ class Transaction(CatalogOperations, ConversationOperations):
             conn.close()
             self._connection = None
             self._leave_gate()
-        self._broker._after_commit(
-            frozenset(self._touched_queues | self._received_queues), self._timers_changed
-        )
+        woken = self._touched_queues | self._received_queues
+        if self._catalog_changed:
+            woken.add(wakeup.CATALOG)
+        self._broker._after_commit(frozenset(woken), self._timers_changed)
 
     def rollback(self) -> None:
         """Roll back: nothing this transaction did remains; received messages are back."""
@@ -449,6 +451,8 @@ class Transaction(CatalogOperations, ConversationOperations):
         try:
             while True:
                 seen = broker._wakeups.generation(queue)
+                if unfiltered and not self._in_gate:
+                    broker._note_blocked_receiver(queue)
                 found = attempt()
                 if found:
                     self._received_queues.add(queue)
