@@ -44,10 +44,9 @@ so that load from elsewhere on the machine drifts into all of them alike; the JS
 each round's rate and a breakdown of the machine's CPU (this run's processes, their
 backends, foreign work). Throughput is messages received per second, summed over the
 processes; each worker times its own window after all reached a common start line.
-Statements per transaction come from SQLAlchemy's before_cursor_execute on the worker's
-engine, round trips from psycopg's Connection.wait (BEGIN and COMMIT included), both
-counted on the worker's main thread only (not the broker's timer and LISTEN threads)
-during its warm-up.
+Statements per transaction come from psycopg's Cursor.execute in the worker, round trips
+from psycopg's Connection.wait (BEGIN and COMMIT included), both counted on the worker's
+main thread only (not the broker's timer and LISTEN threads) during its warm-up.
 
 Prints one JSON object on stdout, progress on stderr, and appends a dated section to
 docs/benchmarks.md.
@@ -215,23 +214,21 @@ class Workers:
 
 class StatementCounter:
     """Counts, for the calling thread only (not the broker's timer and LISTEN threads):
-    SQL statements run on an engine (SQLAlchemy's ``before_cursor_execute``; BEGIN and
-    COMMIT are not statements there), pool checkouts, and round trips to the server
-    (psycopg ``Connection.wait`` calls that had to wait for the network, plus the BEGIN
-    psycopg sends ahead of the first statement outside autocommit). The last patches
-    psycopg's class while the counter is open."""
+    SQL statements sent through psycopg cursors (whether SQLAlchemy or the broker's
+    driver-level fast path runs them; BEGIN and COMMIT are not statements here), pool
+    checkouts on the engines given, and round trips to the server (psycopg
+    ``Connection.wait`` calls that had to wait for the network, plus the BEGIN psycopg
+    sends ahead of the first statement outside autocommit). It patches psycopg's classes
+    while the counter is open."""
 
-    def __init__(self, engine: sa.Engine) -> None:
-        self.engine = engine
+    def __init__(self, *engines: sa.Engine | None) -> None:
+        self.engines = [e for e in engines if e is not None]
         self.thread = threading.get_ident()
         self.statements: list[str] = []
         self.checkouts = 0
         self.round_trips = 0
         self._wait = psycopg.Connection.wait
-
-    def _on_execute(self, _conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if threading.get_ident() == self.thread:
-            self.statements.append(" ".join(statement.split()))
+        self._execute = psycopg.Cursor.execute
 
     def _on_checkout(self, *_args: Any) -> None:
         if threading.get_ident() == self.thread:
@@ -253,9 +250,16 @@ class StatementCounter:
                 return stop.value
 
     def __enter__(self) -> StatementCounter:
-        sa.event.listen(self.engine, "before_cursor_execute", self._on_execute)
-        sa.event.listen(self.engine.pool, "checkout", self._on_checkout)
-        counter, wait = self, self._wait
+        for engine in self.engines:
+            sa.event.listen(engine.pool, "checkout", self._on_checkout)
+        counter, wait, execute = self, self._wait, self._execute
+
+        def counting_execute(cursor: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == counter.thread:
+                counter.statements.append(" ".join(str(query).split()))
+            return execute(cursor, query, *args, **kwargs)
+
+        psycopg.Cursor.execute = counting_execute  # type: ignore[method-assign]
 
         def counting_wait(conn: Any, gen: Any, *args: Any, **kwargs: Any) -> Any:
             if threading.get_ident() == counter.thread:
@@ -268,8 +272,9 @@ class StatementCounter:
 
     def __exit__(self, *exc: object) -> None:
         psycopg.Connection.wait = self._wait  # type: ignore[method-assign]
-        sa.event.remove(self.engine, "before_cursor_execute", self._on_execute)
-        sa.event.remove(self.engine.pool, "checkout", self._on_checkout)
+        psycopg.Cursor.execute = self._execute  # type: ignore[method-assign]
+        for engine in self.engines:
+            sa.event.remove(engine.pool, "checkout", self._on_checkout)
 
     def take(self) -> tuple[list[str], int, int]:
         taken = self.statements, self.checkouts, self.round_trips
@@ -476,7 +481,7 @@ def broker_worker(
         }
         send_samples: dict[int, list[str]] = {}
         receive_samples: dict[int, list[str]] = {}
-        with StatementCounter(broker._engine) as counter:
+        with StatementCounter(broker._engine, broker._autocommit_engine) as counter:
             for _ in range(WARMUP_ITERATIONS if per_send == 1 else 3):
                 send_txn()
                 statements, used, trips = counter.take()
