@@ -38,7 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     with Broker(args.db) as broker, activation.running(broker, reader_mode=args.readers) as rt:
         print(f"serving {broker.url.render_as_string()} (runtime {rt.runtime_id})", flush=True)
-        stop.wait()
+        while not stop.wait(0.5):  # a bounded wait, so the signal handler always gets to run
+            pass
     print("stopped", flush=True)
     return 0
 

@@ -144,6 +144,7 @@ class ActivationRuntime:
         self._readers: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
         self._listening: set[str] = set()
+        self._failed_at: dict[str, float] = {}  # queue -> when a reader last failed
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -275,6 +276,9 @@ class ActivationRuntime:
                 last_started = monitor["last_activated_at"]
                 settled = last_started is None or now - last_started >= self.empty_grace
                 needed = running == 0 or (nobody_waiting and settled)
+                # A procedure that just failed is not restarted in a hot loop.
+                if now - self._failed_at.get(queue, float("-inf")) < self.empty_grace:
+                    needed = False
                 if needed and running < info.max_readers:
                     task_id = str(uuid.uuid4())
                     tx._execute(
@@ -361,11 +365,18 @@ class ActivationRuntime:
                 process.start()
                 process.join()
                 if process.exitcode:
+                    self._failed_at[queue] = self.clock()
                     log.warning("reader process for %s exited with %s", queue, process.exitcode)
             else:
                 resolve(procedure)(self.broker, queue)
         except Exception:
-            log.exception("activation procedure %s on queue %s failed", procedure, queue)
+            self._failed_at[queue] = self.clock()
+            log.exception(
+                "activation procedure %s on queue %s failed; no new reader for %s s",
+                procedure,
+                queue,
+                self.empty_grace,
+            )
         finally:
             with contextlib.suppress(Exception), self.broker.transaction() as tx:
                 tx._execute("task_delete", task_id=task_id)
