@@ -233,11 +233,19 @@ class ActivationRuntime:
                 idle = decision.readers_running + decision.readers_started == 0
                 if self._listen(queue, idle) and idle:
                     continue
-                wakeups.wait(queue, seen, self.check_interval)
+                wakeups.wait(queue, seen, self._next_check_in(queue))
         finally:
             self._listen(queue, False)
             with self._lock:
                 self._monitors.pop(queue, None)
+
+    def _next_check_in(self, queue: str) -> float:
+        """Seconds until the monitor looks unprompted: the check interval, or sooner when
+        a failed reader's back-off ends (a message may be waiting for it)."""
+        backoff_left = self._failed_at.get(queue, float("-inf")) + self.empty_grace - self.clock()
+        if backoff_left > 0:
+            return min(self.check_interval, backoff_left + 0.01)
+        return self.check_interval
 
     def _listen(self, queue: str, on: bool) -> bool:
         """Register (or unregister) for NOTIFY on the queue; whether that changed."""
