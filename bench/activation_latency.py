@@ -69,12 +69,9 @@ import psycopg
 from bench import activation_procedures
 from bench.broker_throughput import (
     BUSY_WARNING_PCT,
-    DOCS,
-    REPO,
-    append_docs,
     busy_pct,
     database,
-    git_commit,
+    finish_run,
     log,
     machine_facts,
     percentile,
@@ -565,21 +562,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "postgresql" in backends:
         report["targets"] = check_targets(report)
-    report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    commit_at_end = git_commit()
-    if commit_at_end != report["machine"]["git"].get("commit"):
-        report["machine"]["git"]["commit_at_end"] = commit_at_end
-        log("warning: HEAD moved during the run")
-    report["elapsed_s"] = round(time.monotonic() - started, 1)
-    if not args.no_docs:
-        if set(backends) == set(BACKENDS):
-            append_docs(markdown_section(report))
-            log(f"appended to {DOCS.relative_to(REPO)}")
-        else:
-            log("one backend only: not appended to the docs")
-    print(json.dumps(report, indent=2))
-    log(f"done in {report['elapsed_s']} s")
-    return 0
+    both = set(backends) == set(BACKENDS)
+    if not args.no_docs and not both:
+        log("one backend only: not appended to the docs")
+    return finish_run(report, started, markdown_section if both and not args.no_docs else None)
 
 
 if __name__ == "__main__":

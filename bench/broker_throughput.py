@@ -1228,14 +1228,24 @@ def main(argv: list[str] | None = None) -> int:
         "c_over_b": round(report["c_broker_top100"]["messages_per_s"] / b_rate, 3),
     }
     report["targets"] = check_targets(report)
+    return finish_run(report, started, None if args.no_docs else markdown_section)
+
+
+def finish_run(
+    report: dict[str, Any],
+    started: float,
+    docs_section: Callable[[dict[str, Any]], str] | None,
+) -> int:
+    """The end of every benchmark: machine facts at the end, a warning if HEAD moved,
+    its docs section appended (unless ``None``), the JSON printed."""
     report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     commit_at_end = git_commit()
     if commit_at_end != report["machine"]["git"].get("commit"):
         report["machine"]["git"]["commit_at_end"] = commit_at_end
         log("warning: HEAD moved during the run")
     report["elapsed_s"] = round(time.monotonic() - started, 1)
-    if not args.no_docs:
-        append_docs(markdown_section(report))
+    if docs_section is not None:
+        append_docs(docs_section(report))
         log(f"appended to {DOCS.relative_to(REPO)}")
     print(json.dumps(report, indent=2))
     log(f"done in {report['elapsed_s']} s")

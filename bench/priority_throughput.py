@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import shlex
 import statistics
@@ -82,21 +81,18 @@ from bench.broker_throughput import (
     BODY,
     BUSY_WARNING_PCT,
     CONTRACT,
-    DOCS,
     FOREIGN_WARNING_PCT,
     INITIATOR_QUEUE,
     INITIATOR_SERVICE,
     MESSAGE_TYPE,
-    REPO,
     START_TIMEOUT,
     TARGET_QUEUE,
     TARGET_SERVICE,
     Workers,
-    append_docs,
     busy_pct,
     cpu_accounts,
     database,
-    git_commit,
+    finish_run,
     log,
     machine_busy,
     machine_facts,
@@ -761,18 +757,7 @@ def main(argv: list[str] | None = None) -> int:
             f"top={top}: {x['levels']['messages_per_s']['median']} msg/s with 10 levels, "
             f"{x['default']['messages_per_s']['median']} at level 5; ratio {x['ratio']}"
         )
-    report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    commit_at_end = git_commit()
-    if commit_at_end != report["machine"]["git"].get("commit"):
-        report["machine"]["git"]["commit_at_end"] = commit_at_end
-        log("warning: HEAD moved during the run")
-    report["elapsed_s"] = round(time.monotonic() - started, 1)
-    if not args.no_docs:
-        append_docs(markdown_section(report))
-        log(f"appended to {DOCS.relative_to(REPO)}")
-    print(json.dumps(report, indent=2))
-    log(f"done in {report['elapsed_s']} s")
-    return 0
+    return finish_run(report, started, None if args.no_docs else markdown_section)
 
 
 if __name__ == "__main__":
