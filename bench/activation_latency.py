@@ -71,6 +71,7 @@ from bench.broker_throughput import (
     BUSY_WARNING_PCT,
     busy_pct,
     database,
+    docs_section,
     finish_run,
     log,
     machine_facts,
@@ -411,7 +412,7 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown_section(report: dict[str, Any]) -> str:
-    m, c, t = report["machine"], report["config"], report["targets"]
+    c, t = report["config"], report["targets"]
     pg, lite = report["postgresql"], report["sqlite"]
     target = t["postgresql_p50_ms"]
 
@@ -462,38 +463,16 @@ def markdown_section(report: dict[str, Any]) -> str:
             "",
         ),
     ]
-    lines = [
-        "",
-        f"## activation_latency — {report['started_at']}" + (" (quick)" if report["quick"] else ""),
-        "",
-        f"Command: `{report['command']}` (took {report['elapsed_s']:.0f} s)",
-        "",
-        f"Machine: {m['cores']} cores, {m['postgresql'].split(' on ')[0]}, Python {m['python']}, "
-        + ", ".join(f"{k} {v}" for k, v in m["packages"].items() if v)
-        + f"; git {(m['git'].get('commit') or '?')[:10]}"
-        + (" + uncommitted scheduler_lib changes" if m["git"].get("scheduler_lib_dirty") else ""),
-        "",
+    return docs_section(
+        "activation_latency",
+        report,
         f"{c['samples']['postgresql']} samples on PostgreSQL, {c['samples']['sqlite']} on "
         f"SQLite (after {c['warmup']} warm-up samples each): an idle queue with internal "
         "activation (max_queue_readers=1), an ActivationRuntime in another process, one "
         "message sent; latency from the sender's commit to the activated reader's receive. "
         "Design and stages in `bench/activation_latency.py`'s docstring.",
-        "",
-        *(
-            [
-                f"Warning: the machine was {m['cpu_busy_pct_before_start']}% busy before the "
-                "start (other work); the figures are noisy.",
-                "",
-            ]
-            if m["cpu_busy_pct_before_start"] > BUSY_WARNING_PCT
-            else []
-        ),
-        "| measurement | figure | target | |",
-        "| --- | ---: | --- | --- |",
-        *(f"| {name} | {value} | {target} | {met} |" for name, value, target, met in rows),
-        "",
-    ]
-    return "\n".join(lines)
+        rows,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

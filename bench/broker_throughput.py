@@ -70,7 +70,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -1003,7 +1003,6 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown_section(report: dict[str, Any]) -> str:
-    m = report["machine"]
     a, b, c = report["a_raw"], report["b_broker_top1"], report["c_broker_top100"]
     b2 = report["b2_broker_top1_receive_in_transaction"]
     d, e, t = report["d_wakeup_latency"], report["e_retained"], report["targets"]
@@ -1077,44 +1076,58 @@ def markdown_section(report: dict[str, Any]) -> str:
             "",
         ),
     ]
+    notes = []
+    if foreign > FOREIGN_WARNING_PCT:
+        notes.append(
+            f"Warning: foreign work (other programs, other databases' backends) took up to "
+            f"{foreign}% of the machine's CPU during a throughput measurement; the figures "
+            "are noisy."
+        )
+    return docs_section(
+        "broker_throughput",
+        report,
+        f"{report['config']['processes']} processes, {report['config']['conversations']} "
+        f"conversations, {report['config']['duration_s']} s per throughput measurement "
+        f"(in {report['config']['rounds']} rounds taking turns), "
+        f"{len(BODY)}-byte bodies; design in `bench/broker_throughput.py`'s docstring.",
+        rows,
+        notes,
+    )
+
+
+def docs_section(
+    name: str,
+    report: dict[str, Any],
+    design: str,
+    rows: list[tuple[str, Any, str, str]],
+    notes: Sequence[str] = (),
+) -> str:
+    """A benchmark's dated section of docs/benchmarks.md: title, command, machine, what
+    was measured, warnings about a busy machine and other notes, then the figures."""
+    m = report["machine"]
+    if m["cpu_busy_pct_before_start"] > BUSY_WARNING_PCT:
+        notes = [
+            f"Warning: the machine was {m['cpu_busy_pct_before_start']}% busy before the "
+            "start (other work); the figures are noisy.",
+            *notes,
+        ]
     lines = [
         "",
-        f"## broker_throughput — {report['started_at']}" + (" (quick)" if report["quick"] else ""),
+        f"## {name} — {report['started_at']}" + (" (quick)" if report["quick"] else ""),
         "",
         f"Command: `{report['command']}` (took {report['elapsed_s']:.0f} s)",
         "",
         f"Machine: {m['cores']} cores, {m['postgresql'].split(' on ')[0]}, Python {m['python']}, "
         + ", ".join(f"{k} {v}" for k, v in m["packages"].items() if v)
-        + f"; git {m['git'].get('commit', '?')[:10]}"
+        + f"; git {(m['git'].get('commit') or '?')[:10]}"
         + (" + uncommitted scheduler_lib changes" if m["git"].get("scheduler_lib_dirty") else ""),
         "",
-        f"{report['config']['processes']} processes, {report['config']['conversations']} "
-        f"conversations, {report['config']['duration_s']} s per throughput measurement "
-        f"(in {report['config']['rounds']} rounds taking turns), "
-        f"{len(BODY)}-byte bodies; design in `bench/broker_throughput.py`'s docstring.",
+        design,
         "",
-        *(
-            [
-                f"Warning: the machine was {m['cpu_busy_pct_before_start']}% busy before the "
-                "start (other work); the figures are noisy.",
-                "",
-            ]
-            if m["cpu_busy_pct_before_start"] > BUSY_WARNING_PCT
-            else []
-        ),
-        *(
-            [
-                f"Warning: foreign work (other programs, other databases' backends) took up "
-                f"to {foreign}% of the machine's CPU during a throughput measurement; the "
-                "figures are noisy.",
-                "",
-            ]
-            if foreign > FOREIGN_WARNING_PCT
-            else []
-        ),
+        *(line for note in notes for line in (note, "")),
         "| measurement | figure | target | |",
         "| --- | ---: | --- | --- |",
-        *(f"| {name} | {value} | {target} | {met} |" for name, value, target, met in rows),
+        *(f"| {label} | {value} | {target} | {met} |" for label, value, target, met in rows),
         "",
     ]
     return "\n".join(lines)

@@ -92,6 +92,7 @@ from bench.broker_throughput import (
     busy_pct,
     cpu_accounts,
     database,
+    docs_section,
     finish_run,
     log,
     machine_busy,
@@ -534,7 +535,7 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown_section(report: dict[str, Any]) -> str:
-    m, c, t = report["machine"], report["config"], report["targets"]
+    c, t = report["config"], report["targets"]
     rows: list[tuple[str, Any, str, str]] = []
     foreign = 0.0
     for top in TOPS:
@@ -599,57 +600,26 @@ def markdown_section(report: dict[str, Any]) -> str:
     checkpoints = sum(
         report[f"top{top}"][db]["windows_with_a_checkpoint"] for top in TOPS for db in DBS
     )
-    lines = [
-        "",
-        f"## priority_throughput — {report['started_at']}"
-        + (" (quick)" if report["quick"] else ""),
-        "",
-        f"Command: `{report['command']}` (took {report['elapsed_s']:.0f} s)",
-        "",
-        f"Machine: {m['cores']} cores, {m['postgresql'].split(' on ')[0]}, Python {m['python']}, "
-        + ", ".join(f"{k} {v}" for k, v in m["packages"].items() if v)
-        + f"; git {(m['git'].get('commit') or '?')[:10]}"
-        + (" + uncommitted scheduler_lib changes" if m["git"].get("scheduler_lib_dirty") else ""),
-        "",
+    notes = []
+    if checkpoints:
+        notes.append(f"Note: a checkpoint ran during {checkpoints} of the windows.")
+    if foreign > FOREIGN_WARNING_PCT:
+        notes.append(
+            f"Warning: foreign work took up to {foreign}% of the machine's CPU during a "
+            "window; the figures are noisy."
+        )
+    return docs_section(
+        "priority_throughput",
+        report,
         f"{c['processes']} receiver processes, {c['conversations']} conversations, "
         f"{c['messages']:,} ready messages at the start of every window, windows of "
         f"{c['window_s'][1]} s (top=1) and {c['window_s'][10]} s (top=10) in {c['rounds']} "
         f"rounds alternating the two databases; target endpoints by level in the 10-level "
         f"database: {by_level}; design in "
         "`bench/priority_throughput.py`'s docstring.",
-        "",
-        *(
-            [
-                f"Warning: the machine was {m['cpu_busy_pct_before_start']}% busy before the "
-                "start (other work); the figures are noisy.",
-                "",
-            ]
-            if m["cpu_busy_pct_before_start"] > BUSY_WARNING_PCT
-            else []
-        ),
-        *(
-            [
-                f"Note: a checkpoint ran during {checkpoints} of the windows.",
-                "",
-            ]
-            if checkpoints
-            else []
-        ),
-        *(
-            [
-                f"Warning: foreign work took up to {foreign}% of the machine's CPU during a "
-                "window; the figures are noisy.",
-                "",
-            ]
-            if foreign > FOREIGN_WARNING_PCT
-            else []
-        ),
-        "| measurement | figure | target | |",
-        "| --- | ---: | --- | --- |",
-        *(f"| {name} | {value} | {target} | {met} |" for name, value, target, met in rows),
-        "",
-    ]
-    return "\n".join(lines)
+        rows,
+        notes,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
