@@ -232,5 +232,95 @@ INSERT INTO contract_message_types (contract_name, message_type_name, sent_by) V
 
 UPDATE broker_alembic_version SET version_num='0003' WHERE broker_alembic_version.version_num = '0002';
 
+-- Running upgrade 0003 -> 0004
+
+ALTER TABLE queues ADD COLUMN consecutive_rollbacks INTEGER DEFAULT '0' NOT NULL;
+
+ALTER TABLE queues ADD COLUMN disabled_reason VARCHAR(1024);
+
+ALTER TABLE queues ADD COLUMN disabled_at FLOAT(53);
+
+ALTER TABLE event_notifications DROP CONSTRAINT event_type_known;
+
+ALTER TABLE event_notifications ADD CONSTRAINT event_type_known CHECK (event_type IN ('QUEUE_ACTIVATION', 'BROKER_QUEUE_DISABLED', 'POISON_MESSAGE'));
+
+CREATE TABLE poison_message_details (
+    incident_id BIGSERIAL NOT NULL, 
+    queue_name VARCHAR(128) NOT NULL, 
+    conversation_handle VARCHAR(36) NOT NULL, 
+    message_sequence_number BIGINT NOT NULL, 
+    message_type_name VARCHAR(128) NOT NULL, 
+    kind VARCHAR(8) NOT NULL, 
+    error TEXT, 
+    worker VARCHAR(256), 
+    occurred_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (incident_id), 
+    CONSTRAINT incident_kind_known CHECK (kind IN ('FAILED', 'EXPIRED', 'PARKED'))
+);
+
+CREATE INDEX ix_poison_message_details_message ON poison_message_details (conversation_handle, message_sequence_number);
+
+CREATE TABLE poison_messages (
+    poison_id BIGSERIAL NOT NULL, 
+    state VARCHAR(8) NOT NULL, 
+    queue_name VARCHAR(128) NOT NULL, 
+    conversation_group_id VARCHAR(36) NOT NULL, 
+    conversation_handle VARCHAR(36) NOT NULL, 
+    message_sequence_number BIGINT NOT NULL, 
+    message_type_name VARCHAR(128) NOT NULL, 
+    message_body BYTEA, 
+    priority SMALLINT NOT NULL, 
+    service_name VARCHAR(128) NOT NULL, 
+    service_contract_name VARCHAR(128) NOT NULL, 
+    enqueued_at FLOAT(53) NOT NULL, 
+    failures INTEGER NOT NULL, 
+    cycles INTEGER NOT NULL, 
+    last_error TEXT, 
+    dispositions VARCHAR(256) NOT NULL, 
+    recorded_at FLOAT(53) NOT NULL, 
+    redeliver_at FLOAT(53), 
+    PRIMARY KEY (poison_id), 
+    CONSTRAINT poison_state_known CHECK (state IN ('LOGGED', 'PARKED'))
+);
+
+CREATE INDEX ix_poison_messages_redeliver ON poison_messages (redeliver_at) WHERE state = 'PARKED';
+
+CREATE INDEX ix_poison_messages_queue ON poison_messages (queue_name, poison_id);
+
+CREATE TABLE poison_policies (
+    queue_name VARCHAR(128) NOT NULL, 
+    threshold INTEGER NOT NULL, 
+    dispositions TEXT NOT NULL, 
+    updated_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (queue_name), 
+    CONSTRAINT threshold_positive CHECK (threshold >= 1), 
+    FOREIGN KEY(queue_name) REFERENCES queues (queue_name) ON DELETE CASCADE
+);
+
+CREATE TABLE message_leases (
+    lease_id VARCHAR(36) NOT NULL, 
+    queue_name VARCHAR(128) NOT NULL, 
+    conversation_group_id VARCHAR(36) NOT NULL, 
+    conversation_handle VARCHAR(36) NOT NULL, 
+    message_sequence_number BIGINT NOT NULL, 
+    message_type_name VARCHAR(128) NOT NULL, 
+    message_body BYTEA, 
+    priority SMALLINT NOT NULL, 
+    service_name VARCHAR(128) NOT NULL, 
+    service_contract_name VARCHAR(128) NOT NULL, 
+    enqueued_at FLOAT(53) NOT NULL, 
+    worker VARCHAR(256) NOT NULL, 
+    taken_at FLOAT(53) NOT NULL, 
+    heartbeat_at FLOAT(53) NOT NULL, 
+    expires_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (lease_id)
+);
+
+CREATE INDEX ix_message_leases_expires ON message_leases (expires_at);
+
+CREATE INDEX ix_message_leases_conversation ON message_leases (conversation_handle);
+
+UPDATE broker_alembic_version SET version_num='0004' WHERE broker_alembic_version.version_num = '0003';
+
 COMMIT;
 

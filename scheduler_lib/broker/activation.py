@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import logging
 import multiprocessing
 import os
@@ -35,8 +34,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import exceptions, wakeup
-from scheduler_lib.broker.catalog import EVENT_CONTRACT, EVENT_MESSAGE_TYPE, EVENT_SERVICE
+from scheduler_lib.broker import events, exceptions, wakeup
+from scheduler_lib.broker.events import QUEUE_ACTIVATION
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker
@@ -51,8 +50,6 @@ NOTIFICATION_TIMEOUT = 30.0  # seconds an external activator has to RECEIVE befo
 READER_MODES = ("thread", "process")
 PARENT_WATCH_INTERVAL = 0.2  # seconds; how soon a reader process notices its runtime died
 
-QUEUE_ACTIVATION = "QUEUE_ACTIVATION"
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -65,7 +62,7 @@ class Decision:
     events_posted: int
 
 
-def resolve(dotted: str) -> Callable[..., Any]:
+def resolve(dotted: str, what: str = "activation procedure") -> Callable[..., Any]:
     """The callable named by ``package.module.function`` or ``package.module:function``.
 
     :raises InvalidArgument: when it cannot be imported
@@ -74,11 +71,9 @@ def resolve(dotted: str) -> Callable[..., Any]:
     try:
         target = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise exceptions.InvalidArgument(
-            f"cannot import activation procedure {dotted!r}: {exc}"
-        ) from None
+        raise exceptions.InvalidArgument(f"cannot import {what} {dotted!r}: {exc}") from None
     if not callable(target):
-        raise exceptions.InvalidArgument(f"activation procedure {dotted!r} is not callable")
+        raise exceptions.InvalidArgument(f"{what} {dotted!r} is not callable")
     return target
 
 
@@ -327,28 +322,9 @@ class ActivationRuntime:
             timed_out = now - (monitor["last_notified_at"] or 0) >= self.notification_timeout
             if not (received_since or timed_out):
                 return 0
-        body = json.dumps(
-            {
-                "EventType": QUEUE_ACTIVATION,
-                "PostTime": now,
-                "DatabaseName": self.broker.url.database,
-                "ObjectName": queue,
-            }
-        )
-        for subscriber in subscribers:
-            handle = subscriber["conversation_handle"]
-            if handle is None or tx._one("endpoint_get", handle=handle) is None:
-                handle = str(
-                    tx.begin_dialog(EVENT_SERVICE, subscriber["to_service_name"], EVENT_CONTRACT)
-                )
-                tx._execute(
-                    "event_notification_set_dialog",
-                    name=subscriber["notification_name"],
-                    handle=handle,
-                )
-            tx.send(handle, EVENT_MESSAGE_TYPE, body)
+        posted = events.post(tx, queue, QUEUE_ACTIVATION, now=now)
         tx._execute("monitor_notified", queue=queue, head=head, now=now)
-        return len(subscribers)
+        return posted
 
     # --- readers ---------------------------------------------------------------------
 

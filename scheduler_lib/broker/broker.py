@@ -6,16 +6,17 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
 from scheduler_lib.broker import engine as engines
-from scheduler_lib.broker import schema, store, wakeup
+from scheduler_lib.broker import poison, schema, store, wakeup
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
 from scheduler_lib.broker.models import Validation
+from scheduler_lib.broker.poison import Lease, PoisonOperations
 from scheduler_lib.broker.transaction import Transaction
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ TIMER_POLL_INTERVAL = 1.0  # seconds; the timer thread re-reads the soonest dead
 LISTEN_READY_TIMEOUT = 10.0  # seconds to wait for LISTEN before the first receive relies on it
 
 
-class Broker(CatalogOperations, ConversationOperations):
+class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
     """A message broker on one database.
 
     Every operation is available two ways: on the broker itself, where it runs in a
@@ -147,6 +148,33 @@ class Broker(CatalogOperations, ConversationOperations):
         if timers_changed:
             self._timer_wakeup.set()
 
+    def _count_rollbacks(self, queues: frozenset[str]) -> None:
+        """Built-in poison message detection, in a transaction of its own: the one that
+        received has just rolled back."""
+        try:
+            with self.transaction() as tx:
+                poison.count_rollbacks(tx, queues)
+        except Exception:  # never hide the error that caused the rollback
+            log.warning("could not count a rollback on %s", sorted(queues), exc_info=True)
+
+    def keep_alive(
+        self, leases: Sequence[Lease], interval: float | None = None
+    ) -> contextlib.AbstractContextManager[dict[str, Any]]:
+        """Renew ``leases`` in the background while a ``with`` block runs (the worker's
+        heartbeat)::
+
+            leases = broker.take("TargetQueue", lease=30)
+            with broker.keep_alive(leases):
+                run_for_minutes(leases[0].message)
+            with broker.transaction() as tx:
+                tx.send(leases[0].message.conversation_handle, "Done")
+                tx.complete(leases[0])
+
+        :param interval: seconds between renewals; default a third of the shortest lease
+        :return: a context manager whose target maps lease ids found lost to their error
+        """
+        return poison.keep_alive(self, leases, interval)
+
     def _note_blocked_receiver(self, queue: str) -> None:
         """SQLite: a receiver that must queue for the write gate is waiting in RECEIVE
         too (another transaction holds the database). Noted in memory for this process's
@@ -200,14 +228,20 @@ class Broker(CatalogOperations, ConversationOperations):
     # --- timers ----------------------------------------------------------------------
 
     def fire_timers(self) -> int:
-        """Fire every conversation timer and lifetime that is due now.
+        """Fire every conversation timer and lifetime that is due now, expire leases whose
+        heartbeat ran out and bring parked poison messages back.
 
         The timer thread calls this; it is public for processes that run without it.
 
-        :return: how many fired
+        :return: how many fired, expired or came back
         """
         with self.transaction() as tx:
-            return tx._fire_due_timers(time.time())
+            fired = tx._fire_due_timers(time.time())
+        # Apart, so that a failing poison policy cannot hold conversation timers up.
+        with self.transaction() as tx:
+            fired += poison.expire_leases(tx, time.time())
+            fired += poison.redeliver_parked(tx, time.time())
+        return fired
 
     def _run_timers(self) -> None:
         while not self._closed.is_set():

@@ -32,6 +32,7 @@ EVENT_MESSAGE_TYPE = "EventNotification"  # what event notifications travel as
 EVENT_CONTRACT = "PostEventNotification"
 EVENT_SERVICE = "EventNotificationService"  # the broker's end of event dialogs
 EVENT_QUEUE = "EventNotificationQueue"
+EVENT_TYPES = ("QUEUE_ACTIVATION", "BROKER_QUEUE_DISABLED", "POISON_MESSAGE")
 
 
 def _enum(enum_type: Any, value: Any, what: str) -> Any:
@@ -192,8 +193,8 @@ class CatalogOperations:
     ) -> None:
         """CREATE QUEUE.
 
-        Activation and poison-message settings are stored here; the activation and
-        poison-message runtimes act on them.
+        Activation settings are stored here and acted on by activation runtimes; poison
+        message handling is acted on by every transaction that receives from the queue.
 
         :param status: whether messages can be received (off: receivers get QueueDisabled)
         :param retention: keep received messages (status 0) until their conversation ends
@@ -201,7 +202,8 @@ class CatalogOperations:
         :param activation_procedure: dotted path of the reader callable
         :param max_queue_readers: most readers activated at once
         :param execute_as: identity recorded for activated readers
-        :param poison_message_handling: disable the queue after five rollbacks in a row
+        :param poison_message_handling: turn the queue off after five consecutive rollbacks
+            of transactions that received from it, and post ``BROKER_QUEUE_DISABLED``
         :param receive_aging: seconds after which a waiting message is served ahead of
             higher priority levels (oldest first); ``None`` (the default) turns aging off
         :raises AlreadyExists: if the name is taken
@@ -239,7 +241,8 @@ class CatalogOperations:
         """ALTER QUEUE: change the given settings, keep the others.
 
         Turning ``status`` on delivers the messages that waited for the queue in the
-        transmission queue.
+        transmission queue, and is how a queue that poison message handling turned off
+        comes back (its rollback count starts again from zero).
 
         :return: the queue's settings after the change
         :raises QueueNotFound: for an unknown name
@@ -268,7 +271,20 @@ class CatalogOperations:
             }
             merged.update({k: v for k, v in changes.items() if v is not _UNSET})
             settings = _queue_settings(name=name, **merged)
-            tx._execute("queue_update", now=time.time(), **settings)
+            now = time.time()
+            if settings["status"]:
+                disabled_reason, disabled_at = None, None
+            elif current.is_receive_enabled:
+                disabled_reason, disabled_at = "turned off by alter_queue", now
+            else:
+                disabled_reason, disabled_at = current.disabled_reason, current.disabled_at
+            tx._execute(
+                "queue_update",
+                now=now,
+                disabled_reason=disabled_reason,
+                disabled_at=disabled_at,
+                **settings,
+            )
             if settings["status"] and not current.is_receive_enabled:
                 tx._execute("transmission_release", queue=name)
                 tx._execute("transmission_delete_queue", queue=name)
@@ -412,15 +428,17 @@ class CatalogOperations:
         ``PostTime``, ``DatabaseName``, ``ObjectName``) on a dialog of contract
         ``PostEventNotification``, which ``to_service`` must accept.
 
-        :param event_type: ``QUEUE_ACTIVATION`` or ``BROKER_QUEUE_DISABLED``
+        :param event_type: ``QUEUE_ACTIVATION`` (the queue needs a reader),
+            ``BROKER_QUEUE_DISABLED`` (poison message handling turned the queue off) or
+            ``POISON_MESSAGE`` (a poison policy with ``Notify`` routed a message)
         :raises AlreadyExists: for a taken name
         :raises QueueNotFound, ServiceNotFound: for unknown names
         :raises ServiceContractMismatch: when ``to_service`` does not accept the contract
         """
         name = checks.name(name, "event notification name")
-        if event_type not in ("QUEUE_ACTIVATION", "BROKER_QUEUE_DISABLED"):
+        if event_type not in EVENT_TYPES:
             raise exceptions.InvalidArgument(
-                f"event_type must be QUEUE_ACTIVATION or BROKER_QUEUE_DISABLED, got {event_type!r}"
+                f"event_type must be one of {', '.join(EVENT_TYPES)}, got {event_type!r}"
             )
         with self._operation() as tx:
             if tx._one("event_notification_get", name=name):

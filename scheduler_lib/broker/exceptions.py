@@ -88,6 +88,11 @@ class QueueDisabled(BrokerError):
     """The queue is disabled (status off): nothing can be received from it."""
 
 
+class LeaseLost(BrokerError):
+    """The lease is gone: its heartbeat ran out (the message went back to its queue or to
+    its poison disposition), or it was already completed or abandoned."""
+
+
 class TransactionError(BrokerError):
     """The transaction is not usable for this operation."""
 

@@ -9,6 +9,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from scheduler_lib.broker.exceptions import QueueDisabled
+
 
 class Validation(enum.StrEnum):
     """How a message type's bodies are checked on SEND."""
@@ -180,6 +182,9 @@ class QueueInfo:
     execute_as: str | None
     is_poison_message_handling_enabled: bool
     receive_aging_seconds: float | None  # None: aging off
+    consecutive_rollbacks: int = 0  # of transactions that received from it, since a commit
+    disabled_reason: str | None = None  # why it is off (poison message handling, ALTER)
+    disabled_at: float | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> QueueInfo:
@@ -193,6 +198,17 @@ class QueueInfo:
             execute_as=row["execute_as"],
             is_poison_message_handling_enabled=bool(row["is_poison_message_handling_enabled"]),
             receive_aging_seconds=row["receive_aging_seconds"],
+            consecutive_rollbacks=int(row.get("consecutive_rollbacks") or 0),
+            disabled_reason=row.get("disabled_reason"),
+            disabled_at=row.get("disabled_at"),
+        )
+
+    def disabled_error(self) -> QueueDisabled:
+        """The error a RECEIVE on this (disabled) queue raises: it says why and how back."""
+        reason = f": {self.disabled_reason}" if self.disabled_reason else ""
+        return QueueDisabled(
+            f"queue {self.name!r} is disabled (status off){reason}",
+            hint=f"turn it back on with alter_queue({self.name!r}, status=True)",
         )
 
 

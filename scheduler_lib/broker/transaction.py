@@ -30,6 +30,7 @@ from scheduler_lib.broker.models import (
     SentBy,
     Validation,
 )
+from scheduler_lib.broker.poison import PoisonOperations
 from scheduler_lib.broker.store import Row
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ LIFETIME_EXPIRED_CODE = -8489  # SQL Server's code for "the dialog has exceeded 
 TIMER_MESSAGE_SEQUENCE = -1  # DialogTimer and lifetime errors are local: no sequence number
 
 
-class Transaction(CatalogOperations, ConversationOperations):
+class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
     """One database transaction. Use as a context manager: it commits on a clean exit and
     rolls back on an exception, and received messages then return to their queue.
 
@@ -61,6 +62,7 @@ class Transaction(CatalogOperations, ConversationOperations):
         self._touched_queues: set[str] = set()  # got messages: wake local waiters
         self._notified_queues: set[str] = set()  # already NOTIFYed by the statement itself
         self._received_queues: set[str] = set()  # their monitors re-check at our end
+        self._receipts: set[str] = set()  # RECEIVE got messages: a rollback is counted
         self._timers_changed = False
         self._catalog_changed = False  # activation runtimes look at the catalog again
         self._in_gate = False
@@ -90,12 +92,17 @@ class Transaction(CatalogOperations, ConversationOperations):
                 self._store.execute(conn, "queue_notify", name=queue)
             conn.commit()
         except BaseException:
-            conn.rollback()
+            try:
+                conn.rollback()
+            finally:
+                conn.close()
+                self._connection = None
+                self._leave_gate()
+                self._after_rollback()
             raise
-        finally:
-            conn.close()
-            self._connection = None
-            self._leave_gate()
+        conn.close()
+        self._connection = None
+        self._leave_gate()
         woken = self._touched_queues | self._received_queues
         if self._catalog_changed:
             woken.add(wakeup.CATALOG)
@@ -114,7 +121,13 @@ class Transaction(CatalogOperations, ConversationOperations):
             finally:
                 conn.close()
                 self._leave_gate()
-        # A rolled-back RECEIVE put messages back: their queue monitors look again.
+        self._after_rollback()
+
+    def _after_rollback(self) -> None:
+        # A rolled-back RECEIVE put messages back: their queue monitors look again, and
+        # built-in poison message detection counts the rollback.
+        if self._receipts:
+            self._broker._count_rollbacks(frozenset(self._receipts))
         self._broker._wakeups.notify(self._received_queues)
 
     def _check_open(self) -> None:
@@ -364,6 +377,8 @@ class Transaction(CatalogOperations, ConversationOperations):
         handle = str(endpoint.conversation_handle)
         self._execute("messages_delete_conversation", handle=handle)
         self._execute("transmission_delete_conversation", handle=handle)
+        self._execute("leases_delete_conversation", handle=handle)
+        self._execute("poison_history_delete_conversation", handle=handle)
         self._execute("endpoint_delete", handle=handle)
         self._execute("group_delete_if_empty", group_id=str(endpoint.conversation_group_id))
 
@@ -378,7 +393,7 @@ class Transaction(CatalogOperations, ConversationOperations):
                 return found
         info = self._queue(queue)
         if not info.is_receive_enabled:
-            raise exceptions.QueueDisabled(f"queue {queue!r} is disabled (status off)")
+            raise info.disabled_error()
         if handle is not None:
             locked = self._scalar("receive_lock_conversation", queue=queue, handle=handle)
             if locked is None:
@@ -398,6 +413,10 @@ class Transaction(CatalogOperations, ConversationOperations):
             take += "_retained"
         rows = self._all(take, top=top, **params)
         self._wrote = True
+        if rows:
+            self._receipts.add(queue)
+            # Inside this transaction: only a commit ends the queue's run of rollbacks.
+            self._execute("queue_reset_rollbacks", name=queue)
         return _in_order([Message.from_row(r) for r in rows])
 
     def _pick_group(self, queue: QueueInfo, query: str = "receive_pick_group") -> str | None:
@@ -421,6 +440,7 @@ class Transaction(CatalogOperations, ConversationOperations):
         if not rows:
             return []
         self._wrote = True
+        self._receipts.add(queue)  # the statement reset the rollback count itself
         return _in_order(
             [Message.from_row(dict(zip(MESSAGE_COLUMNS, r, strict=True))) for r in rows]
         )
@@ -428,7 +448,7 @@ class Transaction(CatalogOperations, ConversationOperations):
     def _get_group_once(self, queue: str) -> uuid.UUID | None:
         info = self._queue(queue)
         if not info.is_receive_enabled:
-            raise exceptions.QueueDisabled(f"queue {queue!r} is disabled (status off)")
+            raise info.disabled_error()
         group_id = self._pick_group(info, query="get_group_pick")
         if group_id is None:
             return None

@@ -92,8 +92,31 @@ UPDATE queues SET
     execute_as = :execute_as,
     is_poison_message_handling_enabled = :poison_message_handling,
     receive_aging_seconds = :receive_aging,
+    disabled_reason = :disabled_reason,
+    disabled_at = :disabled_at,
+    consecutive_rollbacks = CASE WHEN is_receive_enabled = :status
+        THEN consecutive_rollbacks ELSE 0 END,
     modified_at = :now
 WHERE queue_name = :name;
+
+-- name: queue_count_rollback
+-- A transaction that received from the queue rolled back: count it, where poison
+-- message handling is on and the queue is enabled. Returns the count after this one.
+UPDATE queues SET consecutive_rollbacks = consecutive_rollbacks + 1
+WHERE queue_name = :name AND is_poison_message_handling_enabled AND is_receive_enabled
+RETURNING consecutive_rollbacks;
+
+-- name: queue_reset_rollbacks
+-- A transaction received from the queue: if it commits, the run of rollbacks is over
+-- (if it rolls back, so does this). Writes, and locks the row, only after a rollback.
+UPDATE queues SET consecutive_rollbacks = 0
+WHERE queue_name = :name AND consecutive_rollbacks > 0;
+
+-- name: queue_disable
+-- Poison message handling turns the queue off, saying why.
+UPDATE queues SET is_receive_enabled = false, disabled_reason = :reason, disabled_at = :now,
+    consecutive_rollbacks = 0, modified_at = :now
+WHERE queue_name = :name AND is_receive_enabled;
 
 -- name: queue_services
 -- Services bound to a queue.
@@ -466,12 +489,17 @@ WHERE conversation_handle = :handle;
 UPDATE conversation_endpoints SET timer_due_at = NULL WHERE conversation_handle = :handle;
 
 -- name: next_deadline
--- The soonest timer or lifetime expiry, so the timer thread sleeps just long enough.
+-- The soonest timer, lifetime expiry, lease expiry or parked message's return, so the
+-- timer thread sleeps just long enough.
 SELECT min(t) FROM (
     SELECT min(timer_due_at) AS t FROM conversation_endpoints WHERE timer_due_at IS NOT NULL
     UNION ALL
     SELECT min(lifetime_expires_at) FROM conversation_endpoints
     WHERE lifetime_expires_at IS NOT NULL AND state <> 'ER'
+    UNION ALL
+    SELECT min(expires_at) FROM message_leases
+    UNION ALL
+    SELECT min(redeliver_at) FROM poison_messages WHERE state = 'PARKED'
 ) AS deadlines;
 
 -- name: priority_insert
@@ -628,3 +656,124 @@ UPDATE event_notifications SET conversation_handle = :handle WHERE notification_
 -- name: event_notification_delete
 -- DROP EVENT NOTIFICATION.
 DELETE FROM event_notifications WHERE notification_name = :name;
+
+-- name: poison_history
+-- Failures and parkings of one message, oldest first (the detector counts them).
+SELECT * FROM poison_message_details
+WHERE conversation_handle = :handle AND message_sequence_number = :seq
+ORDER BY incident_id;
+
+-- name: poison_history_conversation
+-- Failures and parkings of a conversation's messages (one query for a received batch).
+SELECT * FROM poison_message_details WHERE conversation_handle = :handle
+ORDER BY incident_id;
+
+-- name: poison_incident_insert
+-- Record a failure (or a parking) of a message, outside the transaction that failed.
+INSERT INTO poison_message_details (
+    queue_name, conversation_handle, message_sequence_number, message_type_name, kind,
+    error, worker, occurred_at
+) VALUES (:queue, :handle, :seq, :message_type, :kind, :error, :worker, :now);
+
+-- name: poison_history_delete
+-- Forget a message's failures: it was handled, replayed or dropped.
+DELETE FROM poison_message_details
+WHERE conversation_handle = :handle AND message_sequence_number = :seq;
+
+-- name: poison_history_delete_conversation
+-- A closed conversation's failures go with it.
+DELETE FROM poison_message_details WHERE conversation_handle = :handle;
+
+-- name: poison_message_insert
+-- Take a poison message into the log (LOGGED) or the holding queue (PARKED).
+INSERT INTO poison_messages (
+    state, queue_name, conversation_group_id, conversation_handle, message_sequence_number,
+    message_type_name, message_body, priority, service_name, service_contract_name,
+    enqueued_at, failures, cycles, last_error, dispositions, recorded_at, redeliver_at
+) VALUES (
+    :state, :queue, :group_id, :handle, :seq, :message_type, :body, :priority, :service,
+    :contract, :enqueued_at, :failures, :cycles, :last_error, :dispositions, :now,
+    :redeliver_at
+
+)
+RETURNING poison_id;
+
+-- name: poison_message_get
+-- One poison message.
+SELECT * FROM poison_messages WHERE poison_id = :poison_id;
+
+-- name: poison_message_list
+-- Poison messages, optionally of one queue and/or state, oldest first.
+SELECT * FROM poison_messages
+WHERE (CAST(:queue AS VARCHAR(128)) IS NULL OR queue_name = :queue)
+AND (CAST(:state AS VARCHAR(8)) IS NULL OR state = :state)
+ORDER BY poison_id;
+
+-- name: poison_message_delete
+-- A poison message leaves the log / holding queue (replayed, redelivered or dropped).
+DELETE FROM poison_messages WHERE poison_id = :poison_id;
+
+-- name: poison_message_to_log
+-- A parked message whose conversation ended meanwhile stays, logged, for an operator.
+UPDATE poison_messages SET state = 'LOGGED', redeliver_at = NULL, last_error = :last_error,
+    dispositions = :dispositions
+WHERE poison_id = :poison_id;
+
+-- name: parked_due
+-- Parked messages whose delay is over.
+SELECT * FROM poison_messages
+WHERE state = 'PARKED' AND redeliver_at <= :now
+ORDER BY redeliver_at
+LIMIT :limit;
+
+-- name: poison_policy_get
+-- A queue's poison policy.
+SELECT * FROM poison_policies WHERE queue_name = :queue;
+
+-- name: poison_policy_delete
+-- Back to the default policy.
+DELETE FROM poison_policies WHERE queue_name = :queue;
+
+-- name: poison_policy_insert
+-- Set a queue's poison policy.
+INSERT INTO poison_policies (queue_name, threshold, dispositions, updated_at)
+VALUES (:queue, :threshold, :dispositions, :now);
+
+-- name: lease_insert
+-- A message taken for long work: it waits here, off its queue, under its worker's lease.
+INSERT INTO message_leases (
+    lease_id, queue_name, conversation_group_id, conversation_handle,
+    message_sequence_number, message_type_name, message_body, priority, service_name,
+    service_contract_name, enqueued_at, worker, taken_at, heartbeat_at, expires_at
+) VALUES (
+    :lease_id, :queue_name, :conversation_group_id, :conversation_handle,
+    :message_sequence_number, :message_type_name, :message_body, :priority, :service_name,
+    :service_contract_name, :enqueued_at, :worker, :now, :now, :expires_at
+);
+
+-- name: lease_renew
+-- The worker is alive: push the lease's expiry out.
+UPDATE message_leases SET heartbeat_at = :now, expires_at = :expires_at
+WHERE lease_id = :lease_id;
+
+-- name: lease_get
+-- One lease (to complete or abandon it).
+SELECT * FROM message_leases WHERE lease_id = :lease_id;
+
+-- name: lease_delete
+-- The lease ends: the work was answered, or the message went back or to its disposition.
+DELETE FROM message_leases WHERE lease_id = :lease_id;
+
+-- name: lease_list
+-- Leases held now, oldest first.
+SELECT * FROM message_leases
+WHERE CAST(:queue AS VARCHAR(128)) IS NULL OR queue_name = :queue
+ORDER BY taken_at;
+
+-- name: leases_expired
+-- Leases whose worker stopped renewing them.
+SELECT * FROM message_leases WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit;
+
+-- name: leases_delete_conversation
+-- A closed conversation's leased messages go with it.
+DELETE FROM message_leases WHERE conversation_handle = :handle;

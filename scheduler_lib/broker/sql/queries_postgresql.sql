@@ -149,11 +149,18 @@ WITH grp AS (
     WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
     ORDER BY m.priority DESC, m.conversation_handle, m.message_sequence_number
     LIMIT :top
+), taken AS (
+    DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
+    RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
+        m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
+        m.service_name, m.service_contract_name, m.enqueued_at, m.status
+), reset AS (
+    -- queue_reset_rollbacks, in the same round trip: writes only after a rollback.
+    UPDATE queues q SET consecutive_rollbacks = 0
+    WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
+    AND EXISTS (SELECT 1 FROM taken)
 )
-DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
-RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
-    m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
-    m.service_name, m.service_contract_name, m.enqueued_at, m.status;
+SELECT * FROM taken;
 
 -- name: commit_without_fsync
 -- For bookkeeping nobody must find after a crash (the waiting-receiver count): the
@@ -163,3 +170,20 @@ SET LOCAL synchronous_commit TO OFF;
 -- name: monitor_lock
 -- Lock a queue's monitor row: activation decisions of several runtimes take turns.
 SELECT * FROM queue_monitors WHERE queue_name = :queue FOR UPDATE;
+
+-- name: leases_expired
+-- Leases whose worker stopped renewing them; other timer threads skip these rows.
+SELECT * FROM message_leases WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit
+FOR UPDATE SKIP LOCKED;
+
+-- name: parked_due
+-- Parked messages whose delay is over; other timer threads skip these rows.
+SELECT * FROM poison_messages
+WHERE state = 'PARKED' AND redeliver_at <= :now
+ORDER BY redeliver_at
+LIMIT :limit
+FOR UPDATE SKIP LOCKED;
+
+-- name: lease_get
+-- One lease, locked: completing, abandoning and expiring it take turns.
+SELECT * FROM message_leases WHERE lease_id = :lease_id FOR UPDATE;

@@ -1,0 +1,67 @@
+"""Event notifications: posting an event to the services subscribed to it on a queue.
+
+Each subscription keeps one dialog from the broker's ``EventNotificationService``; events
+travel on it as ``EventNotification`` messages with a JSON body (``EventType``,
+``PostTime``, ``DatabaseName``, ``ObjectName`` and the event's own fields).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from scheduler_lib.broker.catalog import (
+    EVENT_CONTRACT,
+    EVENT_MESSAGE_TYPE,
+    EVENT_SERVICE,
+    EVENT_TYPES,
+)
+
+if TYPE_CHECKING:
+    from scheduler_lib.broker.transaction import Transaction
+
+QUEUE_ACTIVATION = "QUEUE_ACTIVATION"
+BROKER_QUEUE_DISABLED = "BROKER_QUEUE_DISABLED"
+POISON_MESSAGE = "POISON_MESSAGE"
+assert set(EVENT_TYPES) == {QUEUE_ACTIVATION, BROKER_QUEUE_DISABLED, POISON_MESSAGE}
+
+
+def post(
+    tx: Transaction,
+    queue: str,
+    event_type: str,
+    fields: Mapping[str, Any] | None = None,
+    *,
+    now: float | None = None,
+) -> int:
+    """Post ``event_type`` on ``queue`` to every subscriber, in ``tx``.
+
+    :return: how many subscribers it was posted to
+    """
+    subscribers = tx._all("event_notifications_for", queue=queue, event_type=event_type)
+    if not subscribers:
+        return 0
+    body = json.dumps(
+        {
+            "EventType": event_type,
+            "PostTime": time.time() if now is None else now,
+            "DatabaseName": tx._broker.url.database,
+            "ObjectName": queue,
+            **(fields or {}),
+        }
+    )
+    for subscriber in subscribers:
+        handle = subscriber["conversation_handle"]
+        if handle is None or tx._one("endpoint_get", handle=handle) is None:
+            handle = str(
+                tx.begin_dialog(EVENT_SERVICE, subscriber["to_service_name"], EVENT_CONTRACT)
+            )
+            tx._execute(
+                "event_notification_set_dialog",
+                name=subscriber["notification_name"],
+                handle=handle,
+            )
+        tx.send(handle, EVENT_MESSAGE_TYPE, body)
+    return len(subscribers)

@@ -1,0 +1,994 @@
+"""Poison messages and failure recovery (seed 004, DESIGN.md section 7).
+
+Three mechanisms, from the bluntest to the finest:
+
+* **Built-in detection** (queue option ``poison_message_handling``, on by default): five
+  consecutive rollbacks of transactions that received from a queue turn the queue off
+  and post ``BROKER_QUEUE_DISABLED``. A transaction that received and commits resets the
+  count (the reset is written inside the receiving transaction, so it only counts if that
+  transaction commits). Turning the queue back on is explicit: ``alter_queue(q,
+  status=True)``.
+* **The seed's detector** (:class:`PoisonDetector`, for queues with built-in detection
+  off): failures are recorded *outside* the failed transaction, in
+  ``poison_message_details``; a message that has failed ``threshold`` times is routed to
+  its policy's dispositions on its next receive instead of to the handler.
+* **Leases** for long work (:meth:`PoisonOperations.take`): the message leaves its queue
+  in a short transaction and waits under its worker's heartbeat. A lease whose heartbeat
+  runs out is a silent failure, counted like any other; the policy retries it or routes
+  it, and a policy with :class:`EndConversation` (the default) tells the partner.
+
+Counts are "at least", not exact: a failure is recorded after its transaction rolled
+back, so another reader can receive the message again before the record is committed
+(it then sees the older count and runs the handler once more), and a process that dies
+between the rollback and the record does not record at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from scheduler_lib.broker import events, exceptions
+from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.activation import resolve
+from scheduler_lib.broker.models import ConversationEndpoint, Message, MessageStatus
+
+if TYPE_CHECKING:
+    from scheduler_lib.broker.broker import Broker
+    from scheduler_lib.broker.transaction import Transaction
+
+log = logging.getLogger(__name__)
+
+ROLLBACK_LIMIT = 5  # built-in detection: this many consecutive rollbacks turn a queue off
+DEFAULT_THRESHOLD = 5  # failures after which the detector routes a message
+POISON_ERROR_CODE = 50001  # END CONVERSATION WITH ERROR code (user range, as in SQL Server)
+DEFAULT_LEASE = 60.0  # seconds a taken message is held without a heartbeat
+ERROR_TEXT_LIMIT = 4000  # characters of an error kept per failure
+POLICY_REFRESH = 5.0  # seconds a detector trusts the queue's stored policy
+
+
+# --- dispositions ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+    """Consume the message and do nothing else (the seed's option 1: it is gone)."""
+
+    kind: ClassVar[str] = "drop"
+
+
+@dataclasses.dataclass(frozen=True)
+class EndConversation:
+    """End the message's conversation with an error: the partner gets an ``Error``
+    message (the seed's option 2). Nothing waits forever."""
+
+    code: int = POISON_ERROR_CODE
+    description: str | None = None  # default: says which message failed how often and why
+    kind: ClassVar[str] = "end_conversation"
+
+
+@dataclasses.dataclass(frozen=True)
+class Log:
+    """Keep the message in ``poison_messages`` for an operator to replay or drop (the
+    seed's option 3)."""
+
+    kind: ClassVar[str] = "log"
+
+
+@dataclasses.dataclass(frozen=True)
+class Notify:
+    """Tell somebody (the seed's option 4): post a ``POISON_MESSAGE`` event to the
+    queue's subscribers and/or call ``callback(PoisonEvent)`` inside the transaction. A
+    policy stored on a queue names its callback by dotted path."""
+
+    event: bool = True
+    callback: str | Callable[[PoisonEvent], None] | None = None
+    kind: ClassVar[str] = "notify"
+
+
+@dataclasses.dataclass(frozen=True)
+class Park:
+    """Move the message to the holding queue and redeliver it after ``delay`` seconds,
+    at most ``max_cycles`` times (the seed's option 5); after that the policy's other
+    dispositions apply (just :class:`Log` if it has none). Its failures are counted
+    afresh after each return. While parked, later messages of its conversation are
+    delivered: the poison message steps aside."""
+
+    delay: float
+    max_cycles: int = 3
+    kind: ClassVar[str] = "park"
+
+
+Disposition = Drop | EndConversation | Log | Notify | Park
+_KINDS: dict[str, type[Any]] = {d.kind: d for d in (Drop, EndConversation, Log, Notify, Park)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PoisonPolicy:
+    """What happens to a message that keeps failing.
+
+    :param threshold: failures after which the message is routed (on its next receive by
+        a :class:`PoisonDetector`; at once when a lease fails)
+    :param dispositions: what routing does; combinable, e.g. ``(Park(60), Log(),
+        Notify())``. The default keeps the message (:class:`Log`) and tells the partner
+        (:class:`EndConversation`)
+    """
+
+    threshold: int = DEFAULT_THRESHOLD
+    dispositions: tuple[Disposition, ...] = (Log(), EndConversation())
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.threshold, bool)
+            or not isinstance(self.threshold, int)
+            or self.threshold < 1
+        ):
+            raise exceptions.InvalidArgument(
+                f"poison threshold must be an integer >= 1, got {self.threshold!r}"
+            )
+        dispositions = self.dispositions
+        if not isinstance(dispositions, tuple | list) or not dispositions:
+            raise exceptions.InvalidArgument(
+                "a poison policy needs at least one disposition "
+                "(Drop, EndConversation, Log, Notify, Park)"
+            )
+        object.__setattr__(self, "dispositions", tuple(dispositions))
+        seen: set[str] = set()
+        for d in self.dispositions:
+            if not isinstance(d, Drop | EndConversation | Log | Notify | Park):
+                raise exceptions.InvalidArgument(
+                    f"unknown poison disposition {d!r}; use Drop, EndConversation, Log, "
+                    "Notify or Park"
+                )
+            if d.kind in seen:
+                raise exceptions.InvalidArgument(f"disposition {d.kind!r} is given twice")
+            seen.add(d.kind)
+            _check_disposition(d)
+
+    def to_json(self) -> str:
+        """The dispositions as stored on a queue (callables cannot be stored)."""
+        items = []
+        for d in self.dispositions:
+            fields = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
+            if isinstance(d, Notify) and d.callback is not None and not isinstance(d.callback, str):
+                raise exceptions.InvalidArgument(
+                    "a poison policy stored on a queue names its Notify callback by dotted "
+                    f"path (package.module.function), not {d.callback!r}"
+                )
+            items.append({"kind": d.kind, **fields})
+        return json.dumps(items)
+
+    @classmethod
+    def from_stored(cls, threshold: int, dispositions: str) -> PoisonPolicy:
+        items = json.loads(dispositions)
+        return cls(
+            threshold=int(threshold),
+            dispositions=tuple(_KINDS[item.pop("kind")](**item) for item in items),
+        )
+
+
+def _check_disposition(d: Disposition) -> None:
+    if isinstance(d, EndConversation):
+        if isinstance(d.code, bool) or not isinstance(d.code, int) or d.code <= 0:
+            raise exceptions.InvalidArgument(
+                f"EndConversation code must be a positive integer, got {d.code!r}"
+            )
+        if d.description is not None and (not isinstance(d.description, str) or not d.description):
+            raise exceptions.InvalidArgument("EndConversation description must be non-empty text")
+    elif isinstance(d, Park):
+        delay = checks.timeout(d.delay, "Park delay")
+        if delay is None:
+            raise exceptions.InvalidArgument("Park needs a delay in seconds")
+        if isinstance(d.max_cycles, bool) or not isinstance(d.max_cycles, int) or d.max_cycles < 1:
+            raise exceptions.InvalidArgument(
+                f"Park max_cycles must be an integer >= 1, got {d.max_cycles!r}"
+            )
+    elif isinstance(d, Notify):
+        if not d.event and d.callback is None:
+            raise exceptions.InvalidArgument("Notify needs event=True and/or a callback")
+        if d.callback is not None and not (callable(d.callback) or isinstance(d.callback, str)):
+            raise exceptions.InvalidArgument(
+                f"Notify callback must be a callable or a dotted path, got {d.callback!r}"
+            )
+
+
+# --- values handed out -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class History:
+    """A message's failures since it last came back from the holding queue."""
+
+    failures: int = 0
+    cycles: int = 0  # times it was parked
+    last_error: str | None = None
+    incidents: int = 0  # rows in poison_message_details, parkings included
+
+
+@dataclasses.dataclass(frozen=True)
+class PoisonEvent:
+    """What a :class:`Notify` callback is given. ``tx`` is the routing transaction: the
+    callback may send on it (e.g. a failure result to the caller)."""
+
+    tx: Transaction
+    message: Message
+    failures: int
+    cycles: int
+    last_error: str | None
+    poison_id: int | None  # the logged row, when the policy also logs
+
+
+@dataclasses.dataclass(frozen=True)
+class PoisonMessage:
+    """A row of ``poison_messages``: a poison message LOGGED for an operator or PARKED in
+    the holding queue."""
+
+    poison_id: int
+    state: str
+    message: Message
+    failures: int
+    cycles: int
+    last_error: str | None
+    dispositions: str
+    recorded_at: float
+    redeliver_at: float | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> PoisonMessage:
+        return cls(
+            poison_id=int(row["poison_id"]),
+            state=row["state"],
+            message=_message(row),
+            failures=int(row["failures"]),
+            cycles=int(row["cycles"]),
+            last_error=row["last_error"],
+            dispositions=row["dispositions"],
+            recorded_at=float(row["recorded_at"]),
+            redeliver_at=row["redeliver_at"],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """A message taken for long work. Renew it (:meth:`Broker.keep_alive`) while the work
+    runs; complete it in the transaction that answers."""
+
+    lease_id: str
+    message: Message
+    worker: str
+    duration: float
+    expires_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a :class:`PoisonDetector` did with one message: ``handled`` (the handler
+    committed), ``failed`` (the handler raised; the failure was recorded) or ``routed``
+    (the message had failed ``threshold`` times and went to its dispositions)."""
+
+    message: Message
+    status: str
+    error: str | None = None
+    dispositions: tuple[str, ...] = ()
+
+
+def worker_name() -> str:
+    """Who is working: host, process and thread (our SPID)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
+
+
+def _message(row: Mapping[str, Any]) -> Message:
+    return Message.from_row({**row, "status": row.get("status", MessageStatus.READY)})
+
+
+def _error_text(error: BaseException | str | None) -> str | None:
+    if error is None:
+        return None
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return text[:ERROR_TEXT_LIMIT]
+
+
+def _ids(poison_ids: Iterable[int]) -> list[int]:
+    ids = list(poison_ids)
+    if not ids:
+        raise exceptions.InvalidArgument("name at least one poison message id")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 1:
+            raise exceptions.InvalidArgument(f"poison message ids are positive integers, got {i!r}")
+    return list(dict.fromkeys(ids))
+
+
+# --- operations (on the broker and inside a transaction) -------------------------------
+
+
+class PoisonOperations:
+    """Poison policies, the poison-message log, failure records and leases."""
+
+    def _operation(self) -> contextlib.AbstractContextManager[Transaction]:
+        raise NotImplementedError
+
+    # policies
+
+    def set_poison_policy(self, queue: str, policy: PoisonPolicy | None) -> None:
+        """Store the queue's poison policy (``None``: back to the default); every process
+        that handles the queue's failures reads it.
+
+        :raises QueueNotFound: for an unknown queue
+        :raises InvalidArgument: for a Notify callback that is not a dotted path
+        """
+        if policy is not None and not isinstance(policy, PoisonPolicy):
+            raise exceptions.InvalidArgument(f"expected a PoisonPolicy or None, got {policy!r}")
+        stored = None if policy is None else policy.to_json()
+        with self._operation() as tx:
+            tx._queue(queue)
+            tx._execute("poison_policy_delete", queue=queue)
+            if policy is not None:
+                tx._execute(
+                    "poison_policy_insert",
+                    queue=queue,
+                    threshold=policy.threshold,
+                    dispositions=stored,
+                    now=time.time(),
+                )
+
+    def poison_policy(self, queue: str) -> PoisonPolicy:
+        """The queue's poison policy (the default when none is stored).
+
+        :raises QueueNotFound: for an unknown queue
+        """
+        with self._operation() as tx:
+            tx._queue(queue)
+            return policy_for(tx, queue)
+
+    # failure records (the seed's poison_message_details)
+
+    def record_failure(
+        self,
+        message: Message,
+        error: BaseException | str | None = None,
+        *,
+        worker: str | None = None,
+    ) -> History:
+        """Record that handling ``message`` failed. Call it *after* the failed transaction
+        rolled back (the record must outlive it), as the seed does.
+
+        :return: the message's history including this failure
+        """
+        with self._operation() as tx:
+            _record(tx, message, "FAILED", _error_text(error), worker or worker_name())
+            return history(tx, message)
+
+    def failure_history(self, message: Message) -> History:
+        """How often ``message`` failed since it last came back from the holding queue."""
+        with self._operation() as tx:
+            return history(tx, message)
+
+    def poison_incidents(
+        self, conversation_handle: uuid.UUID | str, message_sequence_number: int
+    ) -> list[Mapping[str, Any]]:
+        """Every failure and parking recorded for one message, oldest first."""
+        handle = checks.handle(conversation_handle)
+        with self._operation() as tx:
+            return tx._all("poison_history", handle=handle, seq=int(message_sequence_number))
+
+    # the poison-message log and holding queue
+
+    def poison_messages(
+        self, queue: str | None = None, state: str | None = None
+    ) -> list[PoisonMessage]:
+        """Poison messages LOGGED for an operator or PARKED in the holding queue."""
+        if state is not None and state.upper() not in ("LOGGED", "PARKED"):
+            raise exceptions.InvalidArgument(f"state must be LOGGED or PARKED, got {state!r}")
+        with self._operation() as tx:
+            rows = tx._all(
+                "poison_message_list", queue=queue, state=None if state is None else state.upper()
+            )
+            return [PoisonMessage.from_row(r) for r in rows]
+
+    def poison_message(self, poison_id: int) -> PoisonMessage:
+        """One poison message.
+
+        :raises NotFound: for an unknown id
+        """
+        (checked,) = _ids([poison_id])
+        with self._operation() as tx:
+            return PoisonMessage.from_row(_poison_row(tx, checked))
+
+    def replay_poison_messages(self, poison_ids: Iterable[int]) -> int:
+        """Put exactly these poison messages back on their queues, on their conversations,
+        with their sequence numbers, and forget their failures. All or none.
+
+        :return: how many were re-queued
+        :raises NotFound: for an unknown id
+        :raises ConversationNotFound: when a message's conversation has ended
+        """
+        ids = _ids(poison_ids)
+        with self._operation() as tx:
+            for poison_id in ids:
+                row = _poison_row(tx, poison_id)
+                endpoint = tx._one("endpoint_get", handle=row["conversation_handle"])
+                if endpoint is None:
+                    raise exceptions.ConversationNotFound(
+                        f"poison message {poison_id}: its conversation "
+                        f"{row['conversation_handle']} has ended, so there is nobody to "
+                        "deliver it to; `scheduler-lib poison show` prints its body"
+                    )
+                message = _message(row)
+                tx._execute("poison_message_delete", poison_id=poison_id)
+                tx._execute(
+                    "poison_history_delete",
+                    handle=row["conversation_handle"],
+                    seq=row["message_sequence_number"],
+                )
+                _requeue(tx, message, ConversationEndpoint.from_row(endpoint))
+            return len(ids)
+
+    def drop_poison_messages(self, poison_ids: Iterable[int]) -> int:
+        """Delete exactly these poison messages for good, with their failure records.
+        All or none.
+
+        :raises NotFound: for an unknown id
+        """
+        ids = _ids(poison_ids)
+        with self._operation() as tx:
+            for poison_id in ids:
+                row = _poison_row(tx, poison_id)
+                tx._execute("poison_message_delete", poison_id=poison_id)
+                tx._execute(
+                    "poison_history_delete",
+                    handle=row["conversation_handle"],
+                    seq=row["message_sequence_number"],
+                )
+            return len(ids)
+
+    # leases: long work without a long transaction (DESIGN.md section 3)
+
+    def take(
+        self,
+        queue: str,
+        top: int = 1,
+        timeout: float | None = None,
+        *,
+        lease: float = DEFAULT_LEASE,
+        worker: str | None = None,
+    ) -> list[Lease]:
+        """RECEIVE for long work: the messages leave the queue and wait under a lease of
+        ``lease`` seconds, renewed by :meth:`Broker.keep_alive`. Once the transaction
+        commits the receive is over and its conversation group free; the work runs with
+        no transaction open and is answered (and :meth:`complete`-d) in another.
+
+        A lease nobody renews expires: the message's failure is recorded and the queue's
+        poison policy puts it back on its queue or routes it (by default logging it and
+        ending its conversation with an error, so the partner is told).
+
+        :param lease: seconds the lease lasts without a renewal
+        :param worker: who holds it (default: host:pid:thread)
+        :return: the leases, ``[]`` when the timeout passed
+        """
+        duration = checks.timeout(lease, "lease")
+        if not duration:
+            raise exceptions.InvalidArgument("a lease needs a duration greater than 0 seconds")
+        holder = worker or worker_name()
+        with self._operation() as tx:
+            messages = tx.receive(queue, top, timeout)
+            now = time.time()
+            leases = [
+                Lease(str(uuid.uuid4()), m, holder, duration, now + duration) for m in messages
+            ]
+            for held in leases:
+                m = held.message
+                tx._execute(
+                    "lease_insert",
+                    lease_id=held.lease_id,
+                    queue_name=m.queue_name,
+                    conversation_group_id=str(m.conversation_group_id),
+                    conversation_handle=str(m.conversation_handle),
+                    message_sequence_number=m.message_sequence_number,
+                    message_type_name=m.message_type_name,
+                    message_body=m.body,
+                    priority=m.priority,
+                    service_name=m.service_name,
+                    service_contract_name=m.service_contract_name,
+                    enqueued_at=m.enqueued_at,
+                    worker=holder,
+                    now=now,
+                    expires_at=held.expires_at,
+                )
+            if leases:
+                tx._timers_changed = True  # the timer thread learns the new deadline
+            return leases
+
+    def renew(self, lease: Lease) -> float:
+        """The worker is alive: the lease lasts another ``lease.duration`` seconds.
+
+        :return: the new expiry
+        :raises LeaseLost: when the lease already expired or ended
+        """
+        now = time.time()
+        with self._operation() as tx:
+            if not tx._count(
+                "lease_renew", lease_id=lease.lease_id, now=now, expires_at=now + lease.duration
+            ):
+                raise _lost(lease)
+            tx._wrote = True
+        return now + lease.duration
+
+    def complete(self, lease: Lease) -> None:
+        """End the lease: the work is done. Call it in the transaction that answers, so the
+        answer and the completion commit together.
+
+        :raises LeaseLost: when the lease expired meanwhile (the message went back to its
+            queue or to its disposition) — the answer must not be sent; roll back
+        """
+        with self._operation() as tx:
+            if not tx._count("lease_delete", lease_id=lease.lease_id):
+                raise _lost(lease)
+            tx._wrote = True
+
+    def abandon(self, lease: Lease, error: BaseException | str | None = None) -> str:
+        """Give the message back: its failure is recorded and the queue's poison policy
+        retries it (back on its queue) or routes it.
+
+        :return: ``"requeued"`` or ``"routed"``
+        :raises LeaseLost: when the lease already expired or ended
+        """
+        with self._operation() as tx:
+            row = tx._one("lease_get", lease_id=lease.lease_id)
+            if row is None:
+                raise _lost(lease)
+            return _fail_leased(tx, row, "FAILED", _error_text(error))
+
+    def leases(self, queue: str | None = None) -> list[Mapping[str, Any]]:
+        """Leases held now, oldest first (message bodies left out)."""
+        with self._operation() as tx:
+            return [
+                {k: v for k, v in r.items() if k != "message_body"}
+                for r in tx._all("lease_list", queue=queue)
+            ]
+
+
+def _lost(lease: Lease) -> exceptions.LeaseLost:
+    return exceptions.LeaseLost(
+        f"lease {lease.lease_id} on message {lease.message.message_sequence_number} of "
+        f"conversation {lease.message.conversation_handle} is gone: it expired (the "
+        "message went back to its queue or to its poison disposition) or already ended"
+    )
+
+
+def _poison_row(tx: Transaction, poison_id: int) -> Mapping[str, Any]:
+    row = tx._one("poison_message_get", poison_id=poison_id)
+    if row is None:
+        raise exceptions.NotFound(f"poison message {poison_id} does not exist")
+    return row
+
+
+# --- the machinery, inside a transaction -------------------------------------------------
+
+
+def policy_for(tx: Transaction, queue: str) -> PoisonPolicy:
+    """The queue's stored policy, else the default."""
+    row = tx._one("poison_policy_get", queue=queue)
+    if row is None:
+        return PoisonPolicy()
+    return PoisonPolicy.from_stored(row["threshold"], row["dispositions"])
+
+
+def history(tx: Transaction, message: Message) -> History:
+    rows = tx._all(
+        "poison_history",
+        handle=str(message.conversation_handle),
+        seq=message.message_sequence_number,
+    )
+    return _summarize(rows)
+
+
+def _summarize(rows: Sequence[Mapping[str, Any]]) -> History:
+    failures = cycles = 0
+    last_error = None
+    for row in rows:
+        if row["kind"] == "PARKED":
+            cycles += 1
+            failures = 0  # counted afresh after each return from the holding queue
+        else:
+            failures += 1
+            last_error = row["error"] or last_error
+    return History(failures, cycles, last_error, len(rows))
+
+
+def _record(
+    tx: Transaction, message: Message, kind: str, error: str | None, worker: str | None
+) -> None:
+    tx._execute(
+        "poison_incident_insert",
+        queue=message.queue_name,
+        handle=str(message.conversation_handle),
+        seq=message.message_sequence_number,
+        message_type=message.message_type_name,
+        kind=kind,
+        error=error,
+        worker=worker,
+        now=time.time(),
+    )
+    tx._wrote = True
+
+
+def count_rollbacks(tx: Transaction, queues: Iterable[str]) -> list[str]:
+    """Built-in detection: a transaction that received from ``queues`` rolled back.
+
+    :return: the queues this turned off
+    """
+    disabled = []
+    now = time.time()
+    for queue in sorted(queues):
+        count = tx._scalar("queue_count_rollback", name=queue)
+        tx._wrote = True
+        if count is None or int(count) < ROLLBACK_LIMIT:
+            continue
+        reason = (
+            f"poison message handling: {int(count)} consecutive rollbacks of transactions "
+            "that received from it"
+        )
+        if tx._count("queue_disable", name=queue, reason=reason, now=now):
+            events.post(tx, queue, events.BROKER_QUEUE_DISABLED, {"Reason": reason}, now=now)
+            tx._catalog_changed = True  # monitors stop activating it
+            tx._touched_queues.add(queue)  # waiting receivers wake and see it is off
+            disabled.append(queue)
+            log.error("queue %s disabled: %s", queue, reason)
+    return disabled
+
+
+def route(
+    tx: Transaction, message: Message, policy: PoisonPolicy, hist: History
+) -> tuple[str, ...]:
+    """Apply the policy's dispositions to a message already off its queue.
+
+    :return: the dispositions applied
+    """
+    park = next((d for d in policy.dispositions if isinstance(d, Park)), None)
+    now = time.time()
+    handle = str(message.conversation_handle)
+    if park is not None and hist.cycles < park.max_cycles:
+        _keep(tx, message, "PARKED", hist, "park", now, redeliver_at=now + park.delay)
+        _record(tx, message, "PARKED", None, None)
+        tx._timers_changed = True
+        log.warning(
+            "poison message %s/%s parked for %s s (cycle %s of %s) after %s failures",
+            handle,
+            message.message_sequence_number,
+            park.delay,
+            hist.cycles + 1,
+            park.max_cycles,
+            hist.failures,
+        )
+        return (park.kind,)
+    rest = [d for d in policy.dispositions if not isinstance(d, Park)] or [Log()]
+    names = ",".join(d.kind for d in rest)
+    poison_id = None
+    if any(isinstance(d, Log) for d in rest):
+        poison_id = _keep(tx, message, "LOGGED", hist, names, now)
+    for d in rest:
+        if isinstance(d, Notify):
+            if d.event:
+                events.post(
+                    tx,
+                    message.queue_name,
+                    events.POISON_MESSAGE,
+                    {
+                        "ConversationHandle": handle,
+                        "MessageSequenceNumber": message.message_sequence_number,
+                        "MessageTypeName": message.message_type_name,
+                        "Failures": hist.failures,
+                        "LastError": hist.last_error,
+                        "PoisonId": poison_id,
+                    },
+                    now=now,
+                )
+            if d.callback is not None:
+                callback = d.callback
+                if isinstance(callback, str):
+                    callback = resolve(callback, "Notify callback")
+                callback(
+                    PoisonEvent(tx, message, hist.failures, hist.cycles, hist.last_error, poison_id)
+                )
+        elif isinstance(d, EndConversation):
+            _end_with_error(tx, message, d, hist)
+    log.warning(
+        "poison message %s/%s (%s) routed to %s after %s failures: %s",
+        handle,
+        message.message_sequence_number,
+        message.message_type_name,
+        names,
+        hist.failures,
+        hist.last_error,
+    )
+    return tuple(d.kind for d in rest)
+
+
+def _keep(
+    tx: Transaction,
+    message: Message,
+    state: str,
+    hist: History,
+    dispositions: str,
+    now: float,
+    *,
+    redeliver_at: float | None = None,
+) -> int:
+    poison_id = tx._scalar(
+        "poison_message_insert",
+        state=state,
+        queue=message.queue_name,
+        group_id=str(message.conversation_group_id),
+        handle=str(message.conversation_handle),
+        seq=message.message_sequence_number,
+        message_type=message.message_type_name,
+        body=message.body,
+        priority=message.priority,
+        service=message.service_name,
+        contract=message.service_contract_name,
+        enqueued_at=message.enqueued_at,
+        failures=hist.failures,
+        cycles=hist.cycles + (1 if state == "PARKED" else 0),
+        last_error=hist.last_error,
+        dispositions=dispositions,
+        now=now,
+        redeliver_at=redeliver_at,
+    )
+    tx._wrote = True
+    return int(poison_id)
+
+
+def _end_with_error(
+    tx: Transaction, message: Message, disposition: EndConversation, hist: History
+) -> None:
+    description = disposition.description or (
+        f"message {message.message_sequence_number} ({message.message_type_name}) on queue "
+        f"{message.queue_name!r} failed {hist.failures} times and was taken off as a poison "
+        f"message; last error: {hist.last_error or 'unknown'}"
+    )
+    # Already ended: the partner was told then.
+    with contextlib.suppress(exceptions.ConversationNotFound, exceptions.ConversationStateError):
+        tx.end_conversation(
+            message.conversation_handle, error=disposition.code, description=description[:4000]
+        )
+
+
+def _requeue(tx: Transaction, message: Message, endpoint: ConversationEndpoint) -> None:
+    """Put a message back on its conversation's queue, with its sequence number."""
+    tx._enqueue_at(
+        endpoint, message.message_sequence_number, message.message_type_name, message.body
+    )
+
+
+def _fail_leased(tx: Transaction, row: Mapping[str, Any], kind: str, error: str | None) -> str:
+    """A leased message failed (abandoned, or its heartbeat ran out): count it, then
+    retry it or route it per the queue's policy."""
+    tx._execute("lease_delete", lease_id=row["lease_id"])
+    message = _message(row)
+    _record(tx, message, kind, error, row["worker"])
+    hist = history(tx, message)
+    policy = policy_for(tx, message.queue_name)
+    endpoint = tx._one("endpoint_get", handle=row["conversation_handle"])
+    if hist.failures < policy.threshold and endpoint is not None:
+        _requeue(tx, message, ConversationEndpoint.from_row(endpoint))
+        log.warning(
+            "message %s/%s requeued after failure %s of %s: %s",
+            row["conversation_handle"],
+            row["message_sequence_number"],
+            hist.failures,
+            policy.threshold,
+            error,
+        )
+        return "requeued"
+    route(tx, message, policy, hist)
+    return "routed"
+
+
+def expire_leases(tx: Transaction, now: float, limit: int = 100) -> int:
+    """Leases whose heartbeat ran out are silent failures."""
+    expired = 0
+    for row in tx._all("leases_expired", now=now, limit=limit):
+        silent = now - float(row["heartbeat_at"])
+        _fail_leased(
+            tx,
+            row,
+            "EXPIRED",
+            f"lease expired: worker {row['worker']} stopped renewing it "
+            f"(last heartbeat {silent:.1f} s ago)",
+        )
+        expired += 1
+    return expired
+
+
+def redeliver_parked(tx: Transaction, now: float, limit: int = 100) -> int:
+    """Parked messages whose delay is over go back on their conversation's queue."""
+    returned = 0
+    for row in tx._all("parked_due", now=now, limit=limit):
+        endpoint = tx._one("endpoint_get", handle=row["conversation_handle"])
+        if endpoint is None:
+            # The conversation ended while the message was parked: keep it for an operator.
+            tx._execute(
+                "poison_message_to_log",
+                poison_id=row["poison_id"],
+                last_error="its conversation ended while it was parked",
+                dispositions="park,log",
+            )
+        else:
+            tx._execute("poison_message_delete", poison_id=row["poison_id"])
+            _requeue(tx, _message(row), ConversationEndpoint.from_row(endpoint))
+        tx._wrote = True
+        returned += 1
+    return returned
+
+
+# --- the seed's detector ---------------------------------------------------------------
+
+
+Handler = Callable[["Transaction", Message], Any]
+
+
+class PoisonDetector:
+    """The seed's application-level detector around a message handler.
+
+    Each message is received and handled in one transaction. When the handler raises, the
+    transaction rolls back (the message is back on its queue) and the failure is recorded
+    in a transaction of its own. A message that has failed ``policy.threshold`` times is
+    routed to the policy's dispositions on its next receive, instead of to the handler.
+
+    Use it on a queue with built-in detection off (``poison_message_handling=False``), or
+    with a threshold below 5: otherwise the fifth rollback turns the queue off first, as
+    in SQL Server.
+
+    :param policy: the policy to apply; default: the queue's stored policy, re-read every
+        few seconds
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        queue: str,
+        policy: PoisonPolicy | None = None,
+        *,
+        worker: str | None = None,
+    ) -> None:
+        if policy is not None and not isinstance(policy, PoisonPolicy):
+            raise exceptions.InvalidArgument(f"expected a PoisonPolicy or None, got {policy!r}")
+        self.broker = broker
+        self.queue = queue
+        self.worker = worker
+        self._policy = policy
+        self._stored: tuple[float, PoisonPolicy] | None = None
+        self.counts = {"handled": 0, "failed": 0, "routed": 0}
+
+    @property
+    def policy(self) -> PoisonPolicy:
+        if self._policy is not None:
+            return self._policy
+        now = time.monotonic()
+        if self._stored is None or now - self._stored[0] > POLICY_REFRESH:
+            self._stored = (now, self.broker.poison_policy(self.queue))
+        return self._stored[1]
+
+    def handle_next(
+        self, handler: Handler, *, timeout: float | None = None, top: int = 1
+    ) -> list[Outcome]:
+        """Receive up to ``top`` messages (one conversation group) and handle each.
+
+        :param handler: ``handler(tx, message)``; it runs inside the receiving transaction
+        :return: what happened to each message; ``[]`` when the timeout passed. After a
+            failure, only the failed message is reported: the others went back unhandled
+        """
+        policy = self.policy
+        tx = self.broker.transaction()
+        current: Message | None = None
+        try:
+            messages = tx.receive(self.queue, top, timeout)
+            outcomes = []
+            histories: dict[str, list[Mapping[str, Any]]] = {}
+            for message in messages:
+                handle = str(message.conversation_handle)
+                if handle not in histories:
+                    histories[handle] = tx._all("poison_history_conversation", handle=handle)
+                hist = _summarize(
+                    [
+                        r
+                        for r in histories[handle]
+                        if int(r["message_sequence_number"]) == message.message_sequence_number
+                    ]
+                )
+                if hist.failures >= policy.threshold:
+                    applied = route(tx, message, policy, hist)
+                    outcomes.append(Outcome(message, "routed", hist.last_error, applied))
+                    continue
+                current = message
+                handler(tx, message)
+                current = None
+                if hist.incidents:
+                    tx._execute(
+                        "poison_history_delete", handle=handle, seq=message.message_sequence_number
+                    )
+                outcomes.append(Outcome(message, "handled"))
+            tx.commit()
+        except Exception as exc:
+            tx.rollback()
+            if current is None:
+                raise  # not the handler's failure: not the message's fault
+            error = _error_text(exc)
+            log.warning(
+                "handling message %s/%s from %s failed; recorded as a failure",
+                current.conversation_handle,
+                current.message_sequence_number,
+                self.queue,
+                exc_info=True,
+            )
+            self.broker.record_failure(current, error, worker=self.worker)
+            self.counts["failed"] += 1
+            return [Outcome(current, "failed", error)]
+        except BaseException:
+            tx.rollback()
+            raise
+        for outcome in outcomes:
+            self.counts[outcome.status] += 1
+        return outcomes
+
+    def serve(self, handler: Handler, *, idle_timeout: float = 5.0, top: int = 1) -> int:
+        """Handle messages until a receive waits ``idle_timeout`` seconds for nothing (an
+        activated reader's loop).
+
+        :return: how many messages were received
+        """
+        received = 0
+        while True:
+            outcomes = self.handle_next(handler, timeout=idle_timeout, top=top)
+            if not outcomes:
+                return received
+            received += len(outcomes)
+
+
+# --- keeping leases alive ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def keep_alive(
+    broker: Broker, leases: Sequence[Lease], interval: float | None = None
+) -> Iterator[dict[str, exceptions.LeaseLost]]:
+    """Renew ``leases`` in the background while the block runs (the worker's heartbeat).
+
+    :param interval: seconds between renewals; default a third of the shortest lease
+    :return: (as the ``with`` target) leases found lost while renewing, by lease id
+    """
+    lost: dict[str, exceptions.LeaseLost] = {}
+    if not leases:
+        yield lost
+        return
+    every = interval if interval is not None else min(lease.duration for lease in leases) / 3
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            for lease in leases:
+                if lease.lease_id in lost:
+                    continue
+                try:
+                    broker.renew(lease)
+                except exceptions.LeaseLost as exc:
+                    lost[lease.lease_id] = exc
+                except Exception:  # a passing database error: try again next beat
+                    log.warning("renewing lease %s failed", lease.lease_id, exc_info=True)
+
+    thread = threading.Thread(target=beat, name="lease-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield lost
+    finally:
+        stop.set()
+        thread.join()
