@@ -66,7 +66,7 @@ def _queues(args: argparse.Namespace) -> int:
             rows.append(
                 (
                     q.name,
-                    "ON" if q.is_receive_enabled else "OFF (disabled)",
+                    "ON" if q.is_receive_enabled else "OFF",
                     q.activation_procedure or "-" if q.is_activation_enabled else "off",
                     str(m.get("tasks_running", 0)),
                     str(q.max_readers),
@@ -78,6 +78,20 @@ def _queues(args: argparse.Namespace) -> int:
                 )
             )
         _print_table(rows)
+        disabled = [q for q in broker.queues() if not q.is_receive_enabled]
+        if disabled:
+            print()
+            why: list[tuple[str, ...]] = [("disabled queue", "since", "why")]
+            for q in disabled:
+                why.append(
+                    (
+                        q.name,
+                        "-" if q.disabled_at is None else _when(q.disabled_at),
+                        q.disabled_reason or "created with status off",
+                    )
+                )
+            _print_table(why)
+            print("turn a queue back on with: alter_queue(name, status=True)")
         tasks = broker.activated_tasks()
         if tasks:
             print()
@@ -110,6 +124,105 @@ def _queues(args: argparse.Namespace) -> int:
     return 0
 
 
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def _poison(args: argparse.Namespace) -> int:
+    """The poison-message log and holding queue: list, show, replay, drop."""
+    with Broker(args.db, timers=False) as broker:
+        if args.action == "list":
+            found = broker.poison_messages(queue=args.queue, state=args.state)
+            if not found:
+                print("no poison messages")
+                return 0
+            rows: list[tuple[str, ...]] = [
+                (
+                    "id",
+                    "state",
+                    "queue",
+                    "conversation",
+                    "seq",
+                    "type",
+                    "failures",
+                    "cycles",
+                    "recorded",
+                    "redeliver at",
+                    "last error",
+                )
+            ]
+            for p in found:
+                m = p.message
+                rows.append(
+                    (
+                        str(p.poison_id),
+                        p.state,
+                        m.queue_name,
+                        str(m.conversation_handle),
+                        str(m.message_sequence_number),
+                        m.message_type_name,
+                        str(p.failures),
+                        str(p.cycles),
+                        _when(p.recorded_at),
+                        "-" if p.redeliver_at is None else _when(p.redeliver_at),
+                        (p.last_error or "-").splitlines()[0][:80],
+                    )
+                )
+            _print_table(rows)
+        elif args.action == "show":
+            for poison_id in args.ids:
+                _show_poison(broker, poison_id)
+        elif args.action == "replay":
+            count = broker.replay_poison_messages(args.ids)
+            print(f"replayed {count} poison message(s): {', '.join(map(str, args.ids))}")
+        else:
+            count = broker.drop_poison_messages(args.ids)
+            print(f"dropped {count} poison message(s): {', '.join(map(str, args.ids))}")
+    return 0
+
+
+def _show_poison(broker: Broker, poison_id: int) -> None:
+    p = broker.poison_message(poison_id)
+    m = p.message
+    fields = [
+        ("id", str(p.poison_id)),
+        ("state", p.state),
+        ("queue", m.queue_name),
+        ("service", m.service_name),
+        ("contract", m.service_contract_name),
+        ("conversation", str(m.conversation_handle)),
+        ("group", str(m.conversation_group_id)),
+        ("sequence", str(m.message_sequence_number)),
+        ("type", m.message_type_name),
+        ("priority", str(m.priority)),
+        ("enqueued", _when(m.enqueued_at)),
+        ("recorded", _when(p.recorded_at)),
+        ("redeliver at", "-" if p.redeliver_at is None else _when(p.redeliver_at)),
+        ("failures", str(p.failures)),
+        ("cycles", str(p.cycles)),
+        ("dispositions", p.dispositions),
+        ("last error", p.last_error or "-"),
+    ]
+    width = max(len(k) for k, _ in fields)
+    for key, value in fields:
+        print(f"{key.ljust(width)}  {value}")
+    if m.body is None:
+        print(f"{'body'.ljust(width)}  (none)")
+    else:
+        try:
+            text = m.body.decode("utf-8")
+        except UnicodeDecodeError:
+            text = f"({len(m.body)} bytes, not UTF-8) {m.body.hex()}"
+        print(f"{'body'.ljust(width)}  {text}")
+    incidents = broker.poison_incidents(m.conversation_handle, m.message_sequence_number)
+    if incidents:
+        print("history:")
+        for i in incidents:
+            error = (i["error"] or "").splitlines()[0][:100] if i["error"] else ""
+            print(f"  {_when(i['occurred_at'])}  {i['kind']:<7}  {i['worker'] or '-'}  {error}")
+    print()
+
+
 def _print_table(rows: Sequence[Sequence[str]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -121,6 +234,16 @@ def _print_table(rows: Sequence[Sequence[str]]) -> None:
 def _ddl(args: argparse.Namespace) -> int:
     sys.stdout.write(schema.offline_sql(f"{args.dialect}://"))
     return 0
+
+
+def _poison_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a poison id is a positive integer, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +268,26 @@ def build_parser() -> argparse.ArgumentParser:
     queues = commands.add_parser("queues", help="queues, monitors and running readers")
     queues.add_argument("--db", default=db_default, help="SQLAlchemy URL")
     queues.set_defaults(run=_queues)
+
+    poison = commands.add_parser(
+        "poison", help="poison messages taken off their queues: list, show, replay, drop"
+    )
+    actions = poison.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="logged and parked poison messages")
+    listing.add_argument("--db", default=db_default, help="SQLAlchemy URL")
+    listing.add_argument("--queue", help="only this queue's")
+    listing.add_argument(
+        "--state", choices=["LOGGED", "PARKED"], type=str.upper, help="only this state"
+    )
+    for action, text in (
+        ("show", "print poison messages with their bodies and failure history"),
+        ("replay", "put exactly these messages back on their conversations' queues"),
+        ("drop", "delete exactly these messages for good"),
+    ):
+        sub = actions.add_parser(action, help=text)
+        sub.add_argument("--db", default=db_default, help="SQLAlchemy URL")
+        sub.add_argument("ids", nargs="+", type=_poison_id, metavar="ID", help="poison id")
+    poison.set_defaults(run=_poison)
 
     ddl = commands.add_parser("ddl", help="print the schema's DDL as the migrations create it")
     ddl.add_argument("--dialect", choices=["postgresql", "sqlite"], required=True)

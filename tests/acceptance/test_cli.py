@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import Broker, engine, schema
+from scheduler_lib.broker import (
+    Broker,
+    Log,
+    Message,
+    PoisonDetector,
+    PoisonPolicy,
+    Transaction,
+    engine,
+    schema,
+)
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -60,3 +71,90 @@ def test_init_with_a_bad_url_names_the_problem() -> None:
     assert result.returncode == 2
     assert "unsupported database backend 'mysql'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _poison_catalog(broker: Broker) -> None:
+    broker.create_queue("InitiatorQueue")
+    broker.create_queue("TargetQueue", poison_message_handling=False)
+    broker.create_service("InitiatorService", "InitiatorQueue")
+    broker.create_service("TargetService", "TargetQueue", ["DEFAULT"])
+
+
+def test_poison_list_show_replay_drop(db_url: str) -> None:
+    # Given three poison messages logged by a detector (one per conversation)
+    with Broker(db_url, timers=False) as broker:
+        _poison_catalog(broker)
+        for body in ("alpha", "bravo", "charlie"):
+            handle = broker.begin_dialog("InitiatorService", "TargetService")
+            broker.send(handle, "DEFAULT", f"body of {body}")
+
+        def fail(tx: Transaction, message: Message) -> None:
+            raise ValueError(f"cannot parse {message.text}")
+
+        detector = PoisonDetector(
+            broker, "TargetQueue", PoisonPolicy(threshold=1, dispositions=(Log(),))
+        )
+        while detector.handle_next(fail, timeout=0):
+            pass
+        ids = {p.message.text: p.poison_id for p in broker.poison_messages()}
+    assert len(ids) == 3
+    # When an operator lists them
+    listed = _cli("poison", "list", "--db", db_url)
+    assert listed.returncode == 0, listed.stderr
+    for poison_id in ids.values():
+        assert re.search(rf"^{poison_id}\s+LOGGED\s+TargetQueue", listed.stdout, re.MULTILINE)
+    assert "ValueError: cannot parse" in listed.stdout
+    # ... shows one: its body and failure history
+    shown = _cli("poison", "show", "--db", db_url, str(ids["body of bravo"]))
+    assert shown.returncode == 0, shown.stderr
+    assert "body of bravo" in shown.stdout and "FAILED" in shown.stdout
+    assert "body of alpha" not in shown.stdout
+    # ... replays exactly two of them
+    replayed = _cli(
+        "poison", "replay", "--db", db_url, str(ids["body of alpha"]), str(ids["body of charlie"])
+    )
+    assert replayed.returncode == 0, replayed.stderr
+    assert "replayed 2 poison message(s)" in replayed.stdout
+    # Then exactly those are back on their queue, and only the third stays logged
+    with Broker(db_url, migrate=False, timers=False) as broker:
+        assert sorted(m.text or "" for m in broker.peek("TargetQueue")) == [
+            "body of alpha",
+            "body of charlie",
+        ]
+        assert [p.poison_id for p in broker.poison_messages()] == [ids["body of bravo"]]
+    # When the operator drops the third, and names one that does not exist
+    dropped = _cli("poison", "drop", "--db", db_url, str(ids["body of bravo"]))
+    assert dropped.returncode == 0, dropped.stderr
+    missing = _cli("poison", "replay", "--db", db_url, "999")
+    # Then it is gone, and the unknown id is named without a traceback
+    assert _cli("poison", "list", "--db", db_url).stdout.strip() == "no poison messages"
+    assert missing.returncode == 2
+    assert "poison message 999 does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    bad = _cli("poison", "drop", "--db", db_url, "abc")
+    assert bad.returncode == 2 and "a poison id is a positive integer" in bad.stderr
+
+
+def test_queues_shows_a_disabled_queue_and_why(db_url: str) -> None:
+    # Given a queue that poison message handling turned off
+    with Broker(db_url, timers=False) as broker:
+        _poison_catalog(broker)
+        broker.alter_queue("TargetQueue", poison_message_handling=True)
+        handle = broker.begin_dialog("InitiatorService", "TargetService")
+        broker.send(handle, "DEFAULT", "poison")
+        for _ in range(5):
+            with contextlib.suppress(RuntimeError), broker.transaction() as tx:
+                assert tx.receive("TargetQueue", timeout=0)
+                raise RuntimeError("handler failed")
+        assert not broker.queue("TargetQueue").is_receive_enabled
+    # When the operator looks at the queues
+    result = _cli("queues", "--db", db_url)
+    # Then the queue shows as off, with the reason
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^TargetQueue\s+OFF", result.stdout, re.MULTILINE)
+    assert re.search(
+        r"^TargetQueue\s+\S+ \S+\s+poison message handling: 5 consecutive rollbacks",
+        result.stdout,
+        re.MULTILINE,
+    )
+    assert "alter_queue(name, status=True)" in result.stdout
