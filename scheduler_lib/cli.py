@@ -174,11 +174,15 @@ def _poison(args: argparse.Namespace) -> int:
                 _show_poison(broker, poison_id)
         elif args.action == "replay":
             count = broker.replay_poison_messages(args.ids)
-            print(f"replayed {count} poison message(s): {', '.join(map(str, args.ids))}")
+            print(f"replayed {count} poison message(s): {_id_list(args.ids)}")
         else:
             count = broker.drop_poison_messages(args.ids)
-            print(f"dropped {count} poison message(s): {', '.join(map(str, args.ids))}")
+            print(f"dropped {count} poison message(s): {_id_list(args.ids)}")
     return 0
+
+
+def _id_list(ids: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in dict.fromkeys(ids))
 
 
 def _show_poison(broker: Broker, poison_id: int) -> None:

@@ -7,6 +7,7 @@ travel on it as ``EventNotification`` messages with a JSON body (``EventType``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Mapping
@@ -18,6 +19,8 @@ from scheduler_lib.broker.catalog import (
     EVENT_SERVICE,
     EVENT_TYPES,
 )
+from scheduler_lib.broker.exceptions import BrokerError
+from scheduler_lib.broker.models import ConversationEndpoint, EndpointState
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.transaction import Transaction
@@ -25,6 +28,11 @@ if TYPE_CHECKING:
 QUEUE_ACTIVATION = "QUEUE_ACTIVATION"
 BROKER_QUEUE_DISABLED = "BROKER_QUEUE_DISABLED"
 POISON_MESSAGE = "POISON_MESSAGE"
+SENDABLE = (
+    EndpointState.STARTED_OUTBOUND,
+    EndpointState.STARTED_INBOUND,
+    EndpointState.CONVERSING,
+)
 assert set(EVENT_TYPES) == {QUEUE_ACTIVATION, BROKER_QUEUE_DISABLED, POISON_MESSAGE}
 
 
@@ -54,7 +62,13 @@ def post(
     )
     for subscriber in subscribers:
         handle = subscriber["conversation_handle"]
-        if handle is None or tx._one("endpoint_get", handle=handle) is None:
+        row = None if handle is None else tx._one("endpoint_get", handle=handle)
+        if row is not None and ConversationEndpoint.from_row(row).state not in SENDABLE:
+            # The subscriber ended the dialog (or it failed): leave it and open a new one.
+            with contextlib.suppress(BrokerError):
+                tx.end_conversation(handle)
+            row = None
+        if row is None:
             handle = str(
                 tx.begin_dialog(EVENT_SERVICE, subscriber["to_service_name"], EVENT_CONTRACT)
             )

@@ -40,7 +40,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from scheduler_lib.broker import events, exceptions
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.activation import resolve
-from scheduler_lib.broker.models import ConversationEndpoint, Message, MessageStatus
+from scheduler_lib.broker.models import (
+    ConversationEndpoint,
+    EndpointState,
+    Message,
+    MessageStatus,
+)
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker
@@ -54,6 +59,15 @@ POISON_ERROR_CODE = 50001  # END CONVERSATION WITH ERROR code (user range, as in
 DEFAULT_LEASE = 60.0  # seconds a taken message is held without a heartbeat
 ERROR_TEXT_LIMIT = 4000  # characters of an error kept per failure
 POLICY_REFRESH = 5.0  # seconds a detector trusts the queue's stored policy
+# Endpoint states in which this side still reads its messages (not ended here, not failed).
+REPLAYABLE_STATES = frozenset(
+    {
+        EndpointState.STARTED_OUTBOUND,
+        EndpointState.STARTED_INBOUND,
+        EndpointState.CONVERSING,
+        EndpointState.DISCONNECTED_INBOUND,
+    }
+)
 
 
 # --- dispositions ---------------------------------------------------------------------
@@ -272,8 +286,10 @@ class Lease:
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """What a :class:`PoisonDetector` did with one message: ``handled`` (the handler
-    committed), ``failed`` (the handler raised; the failure was recorded) or ``routed``
-    (the message had failed ``threshold`` times and went to its dispositions)."""
+    committed), ``failed`` (the handler raised; the failure was recorded), ``routed``
+    (the message had failed ``threshold`` times and went to its dispositions) or
+    ``discarded`` (received in the same batch as a routed message whose disposition
+    ended their conversation)."""
 
     message: Message
     status: str
@@ -328,6 +344,9 @@ class PoisonOperations:
         if policy is not None and not isinstance(policy, PoisonPolicy):
             raise exceptions.InvalidArgument(f"expected a PoisonPolicy or None, got {policy!r}")
         stored = None if policy is None else policy.to_json()
+        for d in () if policy is None else policy.dispositions:
+            if isinstance(d, Notify) and isinstance(d.callback, str):
+                resolve(d.callback, "Notify callback")  # fail now, not when routing
         with self._operation() as tx:
             tx._queue(queue)
             tx._execute("poison_policy_delete", queue=queue)
@@ -371,6 +390,19 @@ class PoisonOperations:
         """How often ``message`` failed since it last came back from the holding queue."""
         with self._operation() as tx:
             return history(tx, message)
+
+    def forget_failures(self, message: Message) -> int:
+        """Delete ``message``'s failure records (a hand-written loop calls it once the
+        message was handled; the detector does it itself).
+
+        :return: how many records were deleted
+        """
+        with self._operation() as tx:
+            return tx._count(
+                "poison_history_delete",
+                handle=str(message.conversation_handle),
+                seq=message.message_sequence_number,
+            )
 
     def poison_incidents(
         self, conversation_handle: uuid.UUID | str, message_sequence_number: int
@@ -421,6 +453,13 @@ class PoisonOperations:
                         f"poison message {poison_id}: its conversation "
                         f"{row['conversation_handle']} has ended, so there is nobody to "
                         "deliver it to; `scheduler-lib poison show` prints its body"
+                    )
+                state = ConversationEndpoint.from_row(endpoint).state
+                if state not in REPLAYABLE_STATES:
+                    raise exceptions.ConversationStateError(
+                        f"poison message {poison_id}: its conversation "
+                        f"{row['conversation_handle']} is {state.name} on this side, so "
+                        "nothing would read it; `scheduler-lib poison show` prints its body"
                     )
                 message = _message(row)
                 tx._execute("poison_message_delete", poison_id=poison_id)
@@ -597,7 +636,7 @@ def _summarize(rows: Sequence[Mapping[str, Any]]) -> History:
     for row in rows:
         if row["kind"] == "PARKED":
             cycles += 1
-            failures = 0  # counted afresh after each return from the holding queue
+            failures, last_error = 0, None  # counted afresh after each return
         else:
             failures += 1
             last_error = row["error"] or last_error
@@ -638,7 +677,13 @@ def count_rollbacks(tx: Transaction, queues: Iterable[str]) -> list[str]:
             "that received from it"
         )
         if tx._count("queue_disable", name=queue, reason=reason, now=now):
-            events.post(tx, queue, events.BROKER_QUEUE_DISABLED, {"Reason": reason}, now=now)
+            try:
+                with tx._savepoint():  # the queue goes off even if a subscriber is broken
+                    events.post(
+                        tx, queue, events.BROKER_QUEUE_DISABLED, {"Reason": reason}, now=now
+                    )
+            except Exception:
+                log.exception("posting BROKER_QUEUE_DISABLED for %s failed", queue)
             tx._catalog_changed = True  # monitors stop activating it
             tx._touched_queues.add(queue)  # waiting receivers wake and see it is off
             disabled.append(queue)
@@ -648,10 +693,10 @@ def count_rollbacks(tx: Transaction, queues: Iterable[str]) -> list[str]:
 
 def route(
     tx: Transaction, message: Message, policy: PoisonPolicy, hist: History
-) -> tuple[str, ...]:
+) -> tuple[tuple[str, ...], bool]:
     """Apply the policy's dispositions to a message already off its queue.
 
-    :return: the dispositions applied
+    :return: the dispositions applied, and whether its conversation was ended
     """
     park = next((d for d in policy.dispositions if isinstance(d, Park)), None)
     now = time.time()
@@ -669,38 +714,18 @@ def route(
             park.max_cycles,
             hist.failures,
         )
-        return (park.kind,)
+        return (park.kind,), False
     rest = [d for d in policy.dispositions if not isinstance(d, Park)] or [Log()]
     names = ",".join(d.kind for d in rest)
     poison_id = None
+    ended = False
     if any(isinstance(d, Log) for d in rest):
         poison_id = _keep(tx, message, "LOGGED", hist, names, now)
     for d in rest:
         if isinstance(d, Notify):
-            if d.event:
-                events.post(
-                    tx,
-                    message.queue_name,
-                    events.POISON_MESSAGE,
-                    {
-                        "ConversationHandle": handle,
-                        "MessageSequenceNumber": message.message_sequence_number,
-                        "MessageTypeName": message.message_type_name,
-                        "Failures": hist.failures,
-                        "LastError": hist.last_error,
-                        "PoisonId": poison_id,
-                    },
-                    now=now,
-                )
-            if d.callback is not None:
-                callback = d.callback
-                if isinstance(callback, str):
-                    callback = resolve(callback, "Notify callback")
-                callback(
-                    PoisonEvent(tx, message, hist.failures, hist.cycles, hist.last_error, poison_id)
-                )
+            _notify(tx, message, d, hist, poison_id, now)
         elif isinstance(d, EndConversation):
-            _end_with_error(tx, message, d, hist)
+            ended = _end_with_error(tx, message, d, hist)
     log.warning(
         "poison message %s/%s (%s) routed to %s after %s failures: %s",
         handle,
@@ -710,7 +735,52 @@ def route(
         hist.failures,
         hist.last_error,
     )
-    return tuple(d.kind for d in rest)
+    return tuple(d.kind for d in rest), ended
+
+
+def _notify(
+    tx: Transaction, message: Message, d: Notify, hist: History, poison_id: int | None, now: float
+) -> None:
+    """Post the event and call the callback, each in a savepoint: a broken subscriber or
+    callback is logged and does not hold the routing up (a routing that failed would be
+    retried, and fail again, for ever)."""
+    handle = str(message.conversation_handle)
+    seq = message.message_sequence_number
+    if d.event:
+        try:
+            with tx._savepoint():
+                events.post(
+                    tx,
+                    message.queue_name,
+                    events.POISON_MESSAGE,
+                    {
+                        "ConversationHandle": handle,
+                        "MessageSequenceNumber": seq,
+                        "MessageTypeName": message.message_type_name,
+                        "Failures": hist.failures,
+                        "LastError": hist.last_error,
+                        "PoisonId": poison_id,
+                    },
+                    now=now,
+                )
+        except Exception:
+            log.exception("posting POISON_MESSAGE for %s/%s failed", handle, seq)
+    if d.callback is not None:
+        try:
+            with tx._savepoint():
+                callback = d.callback
+                if isinstance(callback, str):
+                    callback = resolve(callback, "Notify callback")
+                callback(
+                    PoisonEvent(tx, message, hist.failures, hist.cycles, hist.last_error, poison_id)
+                )
+        except Exception:
+            log.exception(
+                "poison callback %r for %s/%s failed; the message was routed anyway",
+                d.callback,
+                handle,
+                seq,
+            )
 
 
 def _keep(
@@ -749,17 +819,19 @@ def _keep(
 
 def _end_with_error(
     tx: Transaction, message: Message, disposition: EndConversation, hist: History
-) -> None:
+) -> bool:
     description = disposition.description or (
         f"message {message.message_sequence_number} ({message.message_type_name}) on queue "
         f"{message.queue_name!r} failed {hist.failures} times and was taken off as a poison "
         f"message; last error: {hist.last_error or 'unknown'}"
     )
-    # Already ended: the partner was told then.
-    with contextlib.suppress(exceptions.ConversationNotFound, exceptions.ConversationStateError):
+    try:
         tx.end_conversation(
             message.conversation_handle, error=disposition.code, description=description[:4000]
         )
+    except (exceptions.ConversationNotFound, exceptions.ConversationStateError):
+        return False  # already ended: the partner was told then
+    return True
 
 
 def _requeue(tx: Transaction, message: Message, endpoint: ConversationEndpoint) -> None:
@@ -867,7 +939,7 @@ class PoisonDetector:
         self.worker = worker
         self._policy = policy
         self._stored: tuple[float, PoisonPolicy] | None = None
-        self.counts = {"handled": 0, "failed": 0, "routed": 0}
+        self.counts = {"handled": 0, "failed": 0, "routed": 0, "discarded": 0}
 
     @property
     def policy(self) -> PoisonPolicy:
@@ -894,8 +966,14 @@ class PoisonDetector:
             messages = tx.receive(self.queue, top, timeout)
             outcomes = []
             histories: dict[str, list[Mapping[str, Any]]] = {}
+            ended: set[str] = set()
             for message in messages:
                 handle = str(message.conversation_handle)
+                if handle in ended:
+                    # An earlier message's disposition ended this conversation: what
+                    # else it had is discarded with it, as END CONVERSATION does.
+                    outcomes.append(Outcome(message, "discarded"))
+                    continue
                 if handle not in histories:
                     histories[handle] = tx._all("poison_history_conversation", handle=handle)
                 hist = _summarize(
@@ -906,7 +984,9 @@ class PoisonDetector:
                     ]
                 )
                 if hist.failures >= policy.threshold:
-                    applied = route(tx, message, policy, hist)
+                    applied, was_ended = route(tx, message, policy, hist)
+                    if was_ended:
+                        ended.add(handle)
                     outcomes.append(Outcome(message, "routed", hist.last_error, applied))
                     continue
                 current = message

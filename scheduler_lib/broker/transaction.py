@@ -87,22 +87,23 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         conn = self._connection
         if conn is None:
             return
+        failed = False
         try:
             for queue in sorted(self._touched_queues - self._notified_queues):
                 self._store.execute(conn, "queue_notify", name=queue)
             conn.commit()
         except BaseException:
+            failed = True
+            conn.rollback()
+            raise
+        finally:
             try:
-                conn.rollback()
-            finally:
                 conn.close()
+            finally:
                 self._connection = None
                 self._leave_gate()
-                self._after_rollback()
-            raise
-        conn.close()
-        self._connection = None
-        self._leave_gate()
+                if failed:  # a commit that failed rolled back: count it like one
+                    self._after_rollback()
         woken = self._touched_queues | self._received_queues
         if self._catalog_changed:
             woken.add(wakeup.CATALOG)
@@ -129,6 +130,18 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         if self._receipts:
             self._broker._count_rollbacks(frozenset(self._receipts))
         self._broker._wakeups.notify(self._received_queues)
+
+    @contextlib.contextmanager
+    def _savepoint(self) -> Iterator[None]:
+        """A part of the transaction that can fail alone (SAVEPOINT): on an exception
+        only what it did is undone, and the exception goes on."""
+        nested = self._conn().begin_nested()
+        try:
+            yield
+        except BaseException:
+            nested.rollback()
+            raise
+        nested.commit()
 
     def _check_open(self) -> None:
         if self._finished:

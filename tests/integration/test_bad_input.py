@@ -26,11 +26,20 @@ from scheduler_lib.broker import (
     ConversationGroupNotFound,
     ConversationNotFound,
     ConversationStateError,
+    EndConversation,
     InUse,
     InvalidArgument,
     InvalidMessageBody,
+    Lease,
+    LeaseLost,
+    Log,
     MessageTooLarge,
     MessageTypeNotFound,
+    NotFound,
+    Notify,
+    Park,
+    PoisonDetector,
+    PoisonPolicy,
     QueueDisabled,
     QueueNotFound,
     ServiceContractMismatch,
@@ -448,6 +457,61 @@ def test_invalid_arguments(subtests: Any, world: World) -> None:
         ),
         ("alter retention to text", lambda: b.alter_queue(TQ, retention="yes"), InvalidArgument),
         ("empty service name", lambda: b.create_service(" ", TQ), InvalidArgument),
+    ]
+    run_cases(subtests, world, cases)
+
+
+def test_poison_policies_leases_and_the_poison_log(subtests: Any, world: World) -> None:
+    b = world.broker
+    nan = math.nan
+    message = b.peek(TQ)[0]
+    gone = Lease(str(uuid.uuid4()), message, "nobody", 30.0, 0.0)
+
+    def policy(*dispositions: Any, threshold: Any = 1) -> PoisonPolicy:
+        return PoisonPolicy(threshold=threshold, dispositions=dispositions)
+
+    cases: list[Case] = [
+        ("zero threshold", lambda: policy(Log(), threshold=0), InvalidArgument),
+        ("bool threshold", lambda: policy(Log(), threshold=True), InvalidArgument),
+        ("text threshold", lambda: policy(Log(), threshold="5"), InvalidArgument),
+        ("no dispositions", lambda: policy(), InvalidArgument),
+        ("disposition by name", lambda: policy("log"), InvalidArgument),
+        ("a disposition twice", lambda: policy(Log(), Log()), InvalidArgument),
+        ("negative park delay", lambda: policy(Park(delay=-1)), InvalidArgument),
+        ("NaN park delay", lambda: policy(Park(delay=nan)), InvalidArgument),
+        ("zero park cycles", lambda: policy(Park(delay=1, max_cycles=0)), InvalidArgument),
+        ("zero error code", lambda: policy(EndConversation(code=0)), InvalidArgument),
+        ("empty description", lambda: policy(EndConversation(description="")), InvalidArgument),
+        ("notify nobody", lambda: policy(Notify(event=False)), InvalidArgument),
+        ("callback not callable", lambda: policy(Notify(callback=42)), InvalidArgument),  # type: ignore[arg-type]
+        (
+            "stored callable callback",
+            lambda: b.set_poison_policy(TQ, policy(Notify(callback=print))),
+            InvalidArgument,
+        ),
+        (
+            "stored callback that cannot be imported",
+            lambda: b.set_poison_policy(TQ, policy(Notify(callback="no_such.module.fn"))),
+            InvalidArgument,
+        ),
+        ("policy as text", lambda: b.set_poison_policy(TQ, "log"), InvalidArgument),  # type: ignore[arg-type]
+        ("policy on unknown queue", lambda: b.set_poison_policy("Nope", None), QueueNotFound),
+        ("policy of unknown queue", lambda: b.poison_policy("Nope"), QueueNotFound),
+        ("detector policy as text", lambda: PoisonDetector(b, TQ, "log"), InvalidArgument),  # type: ignore[arg-type]
+        ("replay nothing", lambda: b.replay_poison_messages([]), InvalidArgument),
+        ("replay id zero", lambda: b.replay_poison_messages([0]), InvalidArgument),
+        ("replay id as text", lambda: b.replay_poison_messages(["1"]), InvalidArgument),  # type: ignore[list-item]
+        ("replay unknown id", lambda: b.replay_poison_messages([12345]), NotFound),
+        ("drop unknown id", lambda: b.drop_poison_messages([12345]), NotFound),
+        ("show unknown id", lambda: b.poison_message(12345), NotFound),
+        ("list unknown state", lambda: b.poison_messages(state="GONE"), InvalidArgument),
+        ("incidents of a bad handle", lambda: b.poison_incidents("nope", 0), InvalidArgument),
+        ("zero lease", lambda: b.take(TQ, timeout=0, lease=0), InvalidArgument),
+        ("negative lease", lambda: b.take(TQ, timeout=0, lease=-1), InvalidArgument),
+        ("take from unknown queue", lambda: b.take("Nope", timeout=0), QueueNotFound),
+        ("complete an unknown lease", lambda: b.complete(gone), LeaseLost),
+        ("renew an unknown lease", lambda: b.renew(gone), LeaseLost),
+        ("abandon an unknown lease", lambda: b.abandon(gone, "x"), LeaseLost),
     ]
     run_cases(subtests, world, cases)
 

@@ -19,6 +19,7 @@ from scheduler_lib.broker import (
     ERROR,
     Broker,
     ConversationNotFound,
+    ConversationStateError,
     Drop,
     EndConversation,
     EndpointState,
@@ -262,7 +263,7 @@ def test_the_detector_routes_a_message_at_the_threshold(no_builtin: Broker) -> N
     ]
     # One reader: the handler ran exactly threshold times on the poison message
     assert calls.count("poison") == 3
-    assert detector.counts == {"handled": 2, "failed": 3, "routed": 1}
+    assert detector.counts == {"handled": 2, "failed": 3, "routed": 1, "discarded": 0}
     (logged,) = broker.poison_messages()
     assert logged.state == "LOGGED" and logged.message.text == "poison"
     assert logged.failures == 3 and "Boom: poison" in (logged.last_error or "")
@@ -672,3 +673,90 @@ def test_every_message_sent_is_accounted_for(no_builtin: Broker) -> None:
         key for key, kind in sent.items() if kind == "poison" and key[0] == QUEUE
     }
     assert all(lease.message.queue_name == QUEUE for lease in abandoned)
+
+
+def broken_callback(event: PoisonEvent) -> None:
+    event.tx.send(event.message.conversation_handle, "AsyncDone", b"half done")
+    raise RuntimeError("the callback is broken")
+
+
+def test_a_broken_callback_does_not_hold_the_routing_up(no_builtin: Broker) -> None:
+    broker = no_builtin
+    _conversation(broker, "poison")
+    policy = PoisonPolicy(
+        threshold=1, dispositions=(Log(), Notify(event=False, callback=broken_callback))
+    )
+    outcomes = _drain(PoisonDetector(broker, QUEUE, policy), fail)
+    assert [o.status for o in outcomes] == ["failed", "routed"]
+    assert [p.message.text for p in broker.poison_messages()] == ["poison"]
+    # What the callback did before it failed was undone with it (its savepoint)
+    assert broker.receive("InitiatorQueue", timeout=0) == []
+
+
+def test_events_find_a_new_dialog_when_the_subscriber_ended_the_old_one(events: Broker) -> None:
+    broker = events
+    broker.alter_queue(QUEUE, poison_message_handling=False)
+    broker.create_event_notification("poison", QUEUE, "EventService", "POISON_MESSAGE")
+    detector = PoisonDetector(
+        broker, QUEUE, PoisonPolicy(threshold=1, dispositions=(Log(), Notify()))
+    )
+    _conversation(broker, "first")
+    _drain(detector, fail)
+    (first,) = broker.receive(EVENTS, timeout=WAIT)
+    broker.end_conversation(first.conversation_handle)  # the subscriber hangs up
+    _conversation(broker, "second")
+    _drain(detector, fail)
+    (*_, second) = broker.receive(EVENTS, top=10, timeout=WAIT)
+    assert second.message_type_name == "EventNotification"
+    assert second.json()["EventType"] == "POISON_MESSAGE"
+    assert second.conversation_handle != first.conversation_handle
+    assert len(broker.poison_messages()) == 2
+
+
+def test_routing_that_ends_a_conversation_discards_the_rest_of_its_batch(
+    no_builtin: Broker,
+) -> None:
+    broker = no_builtin
+    _conversation(broker, "poison", "after 1", "after 2")
+    policy = PoisonPolicy(threshold=1, dispositions=(Log(), EndConversation()))
+    detector = PoisonDetector(broker, QUEUE, policy)
+    handled: list[str] = []
+
+    def handler(tx: Transaction, message: Message) -> None:
+        if message.text == "poison":
+            raise Boom("poison")
+        handled.append(message.text or "")
+
+    assert [o.status for o in detector.handle_next(handler, timeout=0, top=10)] == ["failed"]
+    outcomes = detector.handle_next(handler, timeout=0, top=10)
+    assert [(o.message.text, o.status) for o in outcomes] == [
+        ("poison", "routed"),
+        ("after 1", "discarded"),
+        ("after 2", "discarded"),
+    ]
+    assert handled == []
+    (error,) = broker.receive("InitiatorQueue", timeout=WAIT)
+    assert error.message_type_name == ERROR
+
+
+def test_replay_onto_a_conversation_this_side_ended_is_refused(no_builtin: Broker) -> None:
+    broker = no_builtin
+    _conversation(broker, "poison")
+    policy = PoisonPolicy(threshold=1, dispositions=(Log(), EndConversation()))
+    _drain(PoisonDetector(broker, QUEUE, policy), fail)
+    (logged,) = broker.poison_messages()
+    with pytest.raises(ConversationStateError, match=r"DISCONNECTED_OUTBOUND on this side"):
+        broker.replay_poison_messages([logged.poison_id])
+    assert broker.poison_messages() == [logged]
+
+
+def test_turning_detection_off_and_on_restarts_the_count(scheduler_catalog: Broker) -> None:
+    broker = scheduler_catalog
+    _conversation(broker, "poison")
+    for _ in range(4):
+        _roll_back_a_receive(broker)
+    broker.alter_queue(QUEUE, poison_message_handling=False)
+    broker.alter_queue(QUEUE, poison_message_handling=True)
+    assert broker.queue(QUEUE).consecutive_rollbacks == 0
+    _roll_back_a_receive(broker)
+    assert broker.queue(QUEUE).is_receive_enabled

@@ -94,7 +94,9 @@ UPDATE queues SET
     receive_aging_seconds = :receive_aging,
     disabled_reason = :disabled_reason,
     disabled_at = :disabled_at,
-    consecutive_rollbacks = CASE WHEN is_receive_enabled = :status
+    consecutive_rollbacks = CASE
+        WHEN is_receive_enabled = :status
+        AND is_poison_message_handling_enabled = :poison_message_handling
         THEN consecutive_rollbacks ELSE 0 END,
     modified_at = :now
 WHERE queue_name = :name;
