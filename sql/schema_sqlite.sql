@@ -337,3 +337,19 @@ CREATE INDEX ix_message_leases_conversation ON message_leases (conversation_hand
 
 UPDATE broker_alembic_version SET version_num='0004' WHERE broker_alembic_version.version_num = '0003';
 
+-- Running upgrade 0004 -> 0005
+
+ALTER TABLE queues ADD COLUMN fair_share_quantum FLOAT;
+
+ALTER TABLE conversation_endpoints ADD COLUMN fair_clock FLOAT DEFAULT '0' NOT NULL;
+
+ALTER TABLE queue_messages ADD COLUMN fair_at FLOAT DEFAULT '0' NOT NULL;
+
+ALTER TABLE transmission_queue ADD COLUMN fair_at FLOAT DEFAULT '0' NOT NULL;
+
+DROP INDEX ix_queue_messages_ready;
+
+CREATE INDEX ix_queue_messages_ready ON queue_messages (queue_name, priority DESC, fair_at, message_id) WHERE status = 1;
+
+UPDATE broker_alembic_version SET version_num='0005' WHERE broker_alembic_version.version_num = '0004';
+

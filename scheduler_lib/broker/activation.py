@@ -62,6 +62,23 @@ class Decision:
     events_posted: int
 
 
+_reader = threading.local()  # the activated task this thread runs as, if any
+
+
+def current_reader() -> str | None:
+    """The ``task_id`` (in ``activated_tasks``) of the activated reader running the
+    calling thread, or ``None`` outside activated readers: how a procedure says who ran a
+    piece of work (the blog's SPID)."""
+    return getattr(_reader, "task_id", None)
+
+
+def stopping() -> bool:
+    """Whether the runtime that activated the calling reader is stopping: a procedure
+    that waits in long RECEIVEs checks it between them and returns."""
+    stopped = getattr(_reader, "stopped", None)
+    return stopped is not None and stopped.is_set()
+
+
 def resolve(dotted: str, what: str = "activation procedure") -> Callable[..., Any]:
     """The callable named by ``package.module.function`` or ``package.module:function``.
 
@@ -77,7 +94,7 @@ def resolve(dotted: str, what: str = "activation procedure") -> Callable[..., An
     return target
 
 
-def _run_in_process(url: str, procedure: str, queue: str) -> None:
+def _run_in_process(url: str, procedure: str, queue: str, task_id: str) -> None:
     """A reader in its own process: a broker of its own, then the procedure. It ends
     itself when its runtime dies (even by SIGKILL), so no reader outlives the heartbeat
     that vouched for it."""
@@ -91,6 +108,7 @@ def _run_in_process(url: str, procedure: str, queue: str) -> None:
         os._exit(1)
 
     threading.Thread(target=watch_parent, name="reader-parent-watch", daemon=True).start()
+    _reader.task_id = task_id
     with Broker(url, migrate=False, timers=False) as broker:
         resolve(procedure)(broker, queue)
 
@@ -344,7 +362,7 @@ class ActivationRuntime:
             if self.reader_mode == "process":
                 url = self.broker.url.render_as_string(hide_password=False)
                 process = multiprocessing.get_context("spawn").Process(
-                    target=_run_in_process, args=(url, procedure, queue), daemon=True
+                    target=_run_in_process, args=(url, procedure, queue, task_id), daemon=True
                 )
                 process.start()
                 process.join()
@@ -352,6 +370,7 @@ class ActivationRuntime:
                     self._failed_at[queue] = self.clock()
                     log.warning("reader process for %s exited with %s", queue, process.exitcode)
             else:
+                _reader.task_id, _reader.stopped = task_id, self._stopped
                 resolve(procedure)(self.broker, queue)
         except Exception:
             self._failed_at[queue] = self.clock()

@@ -95,6 +95,17 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
             )
             self._timer_thread.start()
 
+    def apply_migrations(self, migrations: schema.MigrationSet) -> None:
+        """Bring a layer's own schema (its migrations, its version table) up to date on
+        this broker's database. Idempotent."""
+        schema.migrate(self._engine, migrations=migrations)
+
+    def use_queries(self, package: str) -> None:
+        """Let transactions run the named queries of ``package`` (its ``sql/queries.sql``
+        and dialect overrides): how a layer above the broker runs its own SQL without
+        touching a connection. Idempotent."""
+        self._store.extend(package)
+
     @property
     def url(self) -> sa.URL:
         return self._engine.url

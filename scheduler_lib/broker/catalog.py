@@ -190,6 +190,7 @@ class CatalogOperations:
         execute_as: str | None = None,
         poison_message_handling: bool = True,
         receive_aging: float | None = None,
+        fair_share: float | None = None,
     ) -> None:
         """CREATE QUEUE.
 
@@ -206,6 +207,10 @@ class CatalogOperations:
             of transactions that received from it, and post ``BROKER_QUEUE_DISABLED``
         :param receive_aging: seconds after which a waiting message is served ahead of
             higher priority levels (oldest first); ``None`` (the default) turns aging off
+        :param fair_share: serve conversations in turn rather than in arrival order: each
+            message costs its conversation this many seconds of virtual time, so bursts
+            of several conversations interleave (see docs/broker.md); ``None`` (the
+            default) keeps arrival order
         :raises AlreadyExists: if the name is taken
         """
         settings = _queue_settings(
@@ -218,6 +223,7 @@ class CatalogOperations:
             execute_as=execute_as,
             poison_message_handling=poison_message_handling,
             receive_aging=receive_aging,
+            fair_share=fair_share,
         )
         with self._operation() as tx:
             if tx._one("queue_get", name=name):
@@ -237,6 +243,7 @@ class CatalogOperations:
         execute_as: str | None = _UNSET,
         poison_message_handling: bool = _UNSET,
         receive_aging: float | None = _UNSET,
+        fair_share: float | None = _UNSET,
     ) -> QueueInfo:
         """ALTER QUEUE: change the given settings, keep the others.
 
@@ -258,6 +265,7 @@ class CatalogOperations:
                 "execute_as": execute_as,
                 "poison_message_handling": poison_message_handling,
                 "receive_aging": receive_aging,
+                "fair_share": fair_share,
             }
             merged = {
                 "status": current.is_receive_enabled,
@@ -268,6 +276,7 @@ class CatalogOperations:
                 "execute_as": current.execute_as,
                 "poison_message_handling": current.is_poison_message_handling_enabled,
                 "receive_aging": current.receive_aging_seconds,
+                "fair_share": current.fair_share_quantum,
             }
             merged.update({k: v for k, v in changes.items() if v is not _UNSET})
             settings = _queue_settings(name=name, **merged)
@@ -597,6 +606,7 @@ def _ensure_event_catalog(tx: Transaction) -> None:
                 execute_as=None,
                 poison_message_handling=False,
                 receive_aging=None,
+                fair_share=None,
             ),
         )
     if not tx._one("service_get", name=EVENT_SERVICE):
@@ -672,6 +682,12 @@ def _queue_settings(**settings: Any) -> dict[str, Any]:
         if aging == 0:
             raise exceptions.InvalidArgument("receive_aging must be greater than 0 (or None: off)")
         settings["receive_aging"] = aging
+    quantum = settings["fair_share"]
+    if quantum is not None:
+        quantum = checks.timeout(quantum, "fair_share")
+        if quantum == 0:
+            raise exceptions.InvalidArgument("fair_share must be greater than 0 (or None: off)")
+        settings["fair_share"] = quantum
     if settings["activation_status"] and not procedure:
         raise exceptions.InvalidArgument("activation needs an activation_procedure")
     return settings

@@ -185,6 +185,7 @@ class QueueInfo:
     consecutive_rollbacks: int = 0  # of transactions that received from it, since a commit
     disabled_reason: str | None = None  # why it is off (poison message handling, ALTER)
     disabled_at: float | None = None
+    fair_share_quantum: float | None = None  # None: arrival order across conversations
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> QueueInfo:
@@ -201,6 +202,7 @@ class QueueInfo:
             consecutive_rollbacks=int(row.get("consecutive_rollbacks") or 0),
             disabled_reason=row.get("disabled_reason"),
             disabled_at=row.get("disabled_at"),
+            fair_share_quantum=row.get("fair_share_quantum"),
         )
 
     def disabled_error(self) -> QueueDisabled:

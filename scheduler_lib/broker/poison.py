@@ -678,7 +678,7 @@ def count_rollbacks(tx: Transaction, queues: Iterable[str]) -> list[str]:
         )
         if tx._count("queue_disable", name=queue, reason=reason, now=now):
             try:
-                with tx._savepoint():  # the queue goes off even if a subscriber is broken
+                with tx.savepoint():  # the queue goes off even if a subscriber is broken
                     events.post(
                         tx, queue, events.BROKER_QUEUE_DISABLED, {"Reason": reason}, now=now
                     )
@@ -748,7 +748,7 @@ def _notify(
     seq = message.message_sequence_number
     if d.event:
         try:
-            with tx._savepoint():
+            with tx.savepoint():
                 events.post(
                     tx,
                     message.queue_name,
@@ -767,7 +767,7 @@ def _notify(
             log.exception("posting POISON_MESSAGE for %s/%s failed", handle, seq)
     if d.callback is not None:
         try:
-            with tx._savepoint():
+            with tx.savepoint():
                 callback = d.callback
                 if isinstance(callback, str):
                     callback = resolve(callback, "Notify callback")

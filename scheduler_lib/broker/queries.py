@@ -33,19 +33,21 @@ def parse(source: str) -> dict[str, str]:
     return queries
 
 
-def _read(filename: str) -> str:
-    return (importlib.resources.files("scheduler_lib.broker") / "sql" / filename).read_text()
+def _read(package: str, filename: str) -> str:
+    return (importlib.resources.files(package) / "sql" / filename).read_text()
 
 
 @functools.cache
-def for_dialect(dialect: str) -> dict[str, TextClause]:
-    """The queries for a dialect: the common file with the dialect's overrides on top.
+def for_dialect(dialect: str, package: str = "scheduler_lib.broker") -> dict[str, TextClause]:
+    """A package's queries for a dialect: its ``sql/queries.sql`` with the dialect's
+    overrides (``sql/queries_<dialect>.sql``) on top.
 
     :param dialect: SQLAlchemy dialect name (``sqlite``, ``postgresql``)
+    :param package: the package whose ``sql/`` folder holds the files
     """
-    queries = parse(_read("queries.sql"))
+    queries = parse(_read(package, "queries.sql"))
     try:
-        overrides = parse(_read(f"queries_{dialect}.sql"))
+        overrides = parse(_read(package, f"queries_{dialect}.sql"))
     except FileNotFoundError:
         overrides = {}
     # A dialect may also add queries of its own (fast paths); callers ask Store.has().

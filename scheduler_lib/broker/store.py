@@ -23,8 +23,24 @@ class Store:
     def __init__(self, dialect: sa.Dialect) -> None:
         self.dialect = dialect.name
         self._dialect = dialect
-        self._queries = queries.for_dialect(dialect.name)
+        self._queries = dict(queries.for_dialect(dialect.name))
         self._driver_sql: dict[str, str] = {}
+        self._packages: set[str] = set()
+
+    def extend(self, package: str) -> None:
+        """Add the named queries of a layer above the broker (its ``sql/queries*.sql``),
+        so that its SQL, too, runs through this door. Idempotent per package.
+
+        :raises ValueError: when one of its names is already taken
+        """
+        if package in self._packages:
+            return
+        added = queries.for_dialect(self.dialect, package)
+        clash = sorted(set(added) & set(self._queries))
+        if clash:
+            raise ValueError(f"queries of {package} reuse names already taken: {clash}")
+        self._queries.update(added)
+        self._packages.add(package)
 
     def has(self, query: str) -> bool:
         """Whether this dialect has the named query (fast paths exist on some only)."""

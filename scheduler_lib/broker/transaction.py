@@ -132,7 +132,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         self._broker._wakeups.notify(self._received_queues)
 
     @contextlib.contextmanager
-    def _savepoint(self) -> Iterator[None]:
+    def savepoint(self) -> Iterator[None]:
         """A part of the transaction that can fail alone (SAVEPOINT): on an exception
         only what it did is undone, and the exception goes on."""
         nested = self._conn().begin_nested()
@@ -202,6 +202,30 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
 
     def _count(self, query: str, /, **params: Any) -> int:
         return self._store.count(self._conn(), query, **params)
+
+    # --- named queries of the layers above (Broker.use_queries) ------------------------
+
+    @property
+    def broker(self) -> Broker:
+        """The broker this transaction belongs to."""
+        return self._broker
+
+    def run(self, query: str, /, **params: Any) -> int:
+        """Run a named statement in this transaction; how many rows it changed."""
+        self._wrote = True
+        return self._count(query, **params)
+
+    def fetch(self, query: str, /, **params: Any) -> list[Row]:
+        """Every row of a named query, as mappings."""
+        return self._all(query, **params)
+
+    def fetch_one(self, query: str, /, **params: Any) -> Row | None:
+        """The first row of a named query, or ``None``."""
+        return self._one(query, **params)
+
+    def fetch_value(self, query: str, /, **params: Any) -> Any:
+        """The first column of the first row of a named query, or ``None``."""
+        return self._scalar(query, **params)
 
     # --- lookups that raise the right NotFound ---------------------------------------
 
@@ -323,14 +347,27 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         if far.state.value not in SENDABLE_STATES:
             # The far side ended or failed; its EndDialog/Error is on our queue already.
             raise state_error(far, "send to the far side of")
-        seq = self._scalar("endpoint_take_send_sequence", handle=handle)
-        if seq is None:  # the state changed since we read it
+        target = self._queue(far.queue_name)
+        taken = self._one(
+            "endpoint_take_send_sequence",
+            handle=handle,
+            quantum=target.fair_share_quantum,
+            now=time.time(),
+        )
+        if taken is None:  # the state changed since we read it
             raise state_error(self._endpoint(handle), "send on")
-        self._enqueue_at(far, int(seq), message_type, data)
-        return int(seq)
+        seq = int(taken["message_sequence_number"])
+        self._enqueue_at(far, seq, message_type, data, fair_at=float(taken["fair_at"]))
+        return seq
 
     def _enqueue_at(
-        self, endpoint: ConversationEndpoint, seq: int, message_type: str, body: bytes | None
+        self,
+        endpoint: ConversationEndpoint,
+        seq: int,
+        message_type: str,
+        body: bytes | None,
+        *,
+        fair_at: float = 0.0,
     ) -> None:
         """A local message to ``endpoint``: the sender's row lock already ordered it."""
         row = {
@@ -340,7 +377,9 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
             "service_name": endpoint.service_name,
             "contract_name": endpoint.contract_name,
         }
-        self._enqueue(row, str(endpoint.conversation_handle), seq, message_type, body)
+        self._enqueue(
+            row, str(endpoint.conversation_handle), seq, message_type, body, fair_at=fair_at
+        )
 
     def _deliver(
         self, far: ConversationEndpoint, seq: int, message_type: str, body: bytes | None
@@ -358,9 +397,18 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         return True
 
     def _enqueue(
-        self, endpoint: Row, handle: str, seq: int, message_type: str, body: bytes | None
+        self,
+        endpoint: Row,
+        handle: str,
+        seq: int,
+        message_type: str,
+        body: bytes | None,
+        *,
+        fair_at: float = 0.0,
     ) -> None:
-        """Put a message on the endpoint's queue, or hold it while that queue is off."""
+        """Put a message on the endpoint's queue, or hold it while that queue is off.
+        ``fair_at`` is its fair-share stamp (0: served in arrival order, ahead of stamped
+        messages of its level — system messages and messages put back)."""
         self._wrote = True
         queue = self._queue(endpoint["queue_name"])
         params = {
@@ -374,6 +422,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
             "service": endpoint["service_name"],
             "contract": endpoint["contract_name"],
             "now": time.time(),
+            "fair_at": fair_at,
         }
         if queue.is_receive_enabled:
             self._execute("message_insert", **params)

@@ -67,10 +67,10 @@ DELETE FROM contracts WHERE contract_name = :name;
 INSERT INTO queues (
     queue_name, is_receive_enabled, is_retention_enabled, is_activation_enabled,
     activation_procedure, max_readers, execute_as, is_poison_message_handling_enabled,
-    receive_aging_seconds, waiting_receivers, created_at, modified_at
+    receive_aging_seconds, fair_share_quantum, waiting_receivers, created_at, modified_at
 ) VALUES (
     :name, :status, :retention, :activation_status, :activation_procedure, :max_readers,
-    :execute_as, :poison_message_handling, :receive_aging, 0, :now, :now
+    :execute_as, :poison_message_handling, :receive_aging, :fair_share, 0, :now, :now
 );
 
 -- name: queue_get
@@ -92,6 +92,7 @@ UPDATE queues SET
     execute_as = :execute_as,
     is_poison_message_handling_enabled = :poison_message_handling,
     receive_aging_seconds = :receive_aging,
+    fair_share_quantum = :fair_share,
     disabled_reason = :disabled_reason,
     disabled_at = :disabled_at,
     consecutive_rollbacks = CASE
@@ -294,11 +295,15 @@ SELECT conversation_group_id FROM conversation_groups WHERE conversation_group_i
 
 -- name: endpoint_take_send_sequence
 -- Assign the next sequence number; refuses (no row) unless the state allows sending.
+-- With fair share on the target queue (:quantum not NULL) it also stamps the message.
 UPDATE conversation_endpoints
 SET send_sequence = send_sequence + 1,
-    state = CASE WHEN state = 'SI' THEN 'CO' ELSE state END
+    state = CASE WHEN state = 'SI' THEN 'CO' ELSE state END,
+    fair_clock = CASE WHEN :quantum IS NULL THEN fair_clock
+        ELSE max(:now, fair_clock + :quantum) END
 WHERE conversation_handle = :handle AND state IN ('SO', 'SI', 'CO')
-RETURNING send_sequence - 1 AS message_sequence_number;
+RETURNING send_sequence - 1 AS message_sequence_number,
+    CASE WHEN :quantum IS NULL THEN 0 ELSE fair_clock END AS fair_at;
 
 -- name: endpoint_take_system_sequence
 -- Sequence number for EndDialog / Error, sent from any state but closed.
@@ -336,10 +341,10 @@ WHERE conversation_handle = :handle;
 INSERT INTO queue_messages (
     queue_name, conversation_group_id, conversation_handle, message_sequence_number,
     message_type_name, message_body, priority, status, service_name, service_contract_name,
-    enqueued_at
+    enqueued_at, fair_at
 ) VALUES (
     :queue, :group_id, :handle, :seq, :message_type, :body, :priority, 1, :service,
-    :contract, :now
+    :contract, :now, :fair_at
 );
 
 -- name: messages_move
@@ -355,10 +360,10 @@ DELETE FROM queue_messages WHERE conversation_handle = :handle;
 INSERT INTO transmission_queue (
     conversation_handle, to_queue_name, conversation_group_id, message_sequence_number,
     message_type_name, message_body, priority, to_service_name, service_contract_name,
-    enqueued_at, transmission_status
+    enqueued_at, transmission_status, fair_at
 ) VALUES (
     :handle, :queue, :group_id, :seq, :message_type, :body, :priority, :service, :contract,
-    :now, :transmission_status
+    :now, :transmission_status, :fair_at
 );
 
 -- name: transmission_release
@@ -366,11 +371,11 @@ INSERT INTO transmission_queue (
 INSERT INTO queue_messages (
     queue_name, conversation_group_id, conversation_handle, message_sequence_number,
     message_type_name, message_body, priority, status, service_name, service_contract_name,
-    enqueued_at
+    enqueued_at, fair_at
 )
 SELECT to_queue_name, conversation_group_id, conversation_handle, message_sequence_number,
     message_type_name, message_body, priority, 1, to_service_name, service_contract_name,
-    enqueued_at
+    enqueued_at, fair_at
 FROM transmission_queue WHERE to_queue_name = :queue ORDER BY message_id;
 
 -- name: transmission_delete_queue
@@ -390,7 +395,7 @@ SELECT * FROM transmission_queue ORDER BY message_id;
 -- BEGIN IMMEDIATE took is the group lock there.
 SELECT conversation_group_id FROM queue_messages
 WHERE queue_name = :queue AND status = 1
-ORDER BY priority DESC, message_id
+ORDER BY priority DESC, fair_at, message_id
 LIMIT 1;
 
 -- name: receive_pick_aged
@@ -424,7 +429,7 @@ AND EXISTS (
 -- GET CONVERSATION GROUP: lock the next group with ready messages.
 SELECT conversation_group_id FROM queue_messages
 WHERE queue_name = :queue AND status = 1
-ORDER BY priority DESC, message_id
+ORDER BY priority DESC, fair_at, message_id
 LIMIT 1;
 
 -- name: receive_take_group

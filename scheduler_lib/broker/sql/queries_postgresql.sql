@@ -10,7 +10,7 @@ WHERE queue_name = :name AND waiting_receivers > 0;
 SELECT g.conversation_group_id FROM queue_messages m
 JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
 WHERE m.queue_name = :queue AND m.status = 1
-ORDER BY m.priority DESC, m.message_id
+ORDER BY m.priority DESC, m.fair_at, m.message_id
 LIMIT 1
 FOR UPDATE OF g SKIP LOCKED;
 
@@ -19,7 +19,7 @@ FOR UPDATE OF g SKIP LOCKED;
 SELECT g.conversation_group_id FROM queue_messages m
 JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
 WHERE m.queue_name = :queue AND m.status = 1
-ORDER BY m.priority DESC, m.message_id
+ORDER BY m.priority DESC, m.fair_at, m.message_id
 LIMIT 1
 FOR UPDATE OF g SKIP LOCKED;
 
@@ -88,7 +88,7 @@ FOR UPDATE;
 -- was written in that case, because every check guards the one UPDATE.
 WITH far AS (
     SELECT f.conversation_handle, f.queue_name, f.conversation_group_id, f.priority,
-        f.service_name, f.contract_name, q.waiting_receivers
+        f.service_name, f.contract_name, q.waiting_receivers, q.fair_share_quantum
     FROM conversation_endpoints s
     JOIN conversation_endpoints f
         ON f.conversation_id = s.conversation_id AND f.is_initiator <> s.is_initiator
@@ -105,19 +105,22 @@ WITH far AS (
 ), sender AS (
     UPDATE conversation_endpoints s
     SET send_sequence = s.send_sequence + 1,
-        state = CASE WHEN s.state = 'SI' THEN 'CO' ELSE s.state END
+        state = CASE WHEN s.state = 'SI' THEN 'CO' ELSE s.state END,
+        fair_clock = CASE WHEN far.fair_share_quantum IS NULL THEN s.fair_clock
+            ELSE GREATEST(:now, s.fair_clock + far.fair_share_quantum) END
     FROM far
     WHERE s.conversation_handle = :handle AND s.state IN ('SO', 'SI', 'CO')
-    RETURNING s.send_sequence - 1 AS message_sequence_number
+    RETURNING s.send_sequence - 1 AS message_sequence_number,
+        CASE WHEN far.fair_share_quantum IS NULL THEN 0 ELSE s.fair_clock END AS fair_at
 ), enqueued AS (
     INSERT INTO queue_messages (
         queue_name, conversation_group_id, conversation_handle, message_sequence_number,
         message_type_name, message_body, priority, status, service_name,
-        service_contract_name, enqueued_at
+        service_contract_name, enqueued_at, fair_at
     )
     SELECT far.queue_name, far.conversation_group_id, far.conversation_handle,
         sender.message_sequence_number, :message_type, :body, far.priority, 1,
-        far.service_name, far.contract_name, :now
+        far.service_name, far.contract_name, :now, sender.fair_at
     FROM far, sender
     RETURNING queue_name
 )
@@ -140,7 +143,7 @@ WITH grp AS (
         WHERE q.queue_name = :queue AND q.is_receive_enabled AND NOT q.is_retention_enabled
         AND q.receive_aging_seconds IS NULL
     )
-    ORDER BY m.priority DESC, m.message_id
+    ORDER BY m.priority DESC, m.fair_at, m.message_id
     LIMIT 1
     FOR UPDATE OF g SKIP LOCKED
 ), picked AS (
@@ -187,3 +190,15 @@ FOR UPDATE SKIP LOCKED;
 -- name: lease_get
 -- One lease, locked: completing, abandoning and expiring it take turns.
 SELECT * FROM message_leases WHERE lease_id = :lease_id FOR UPDATE;
+
+-- name: endpoint_take_send_sequence
+-- Assign the next sequence number; refuses (no row) unless the state allows sending.
+-- With fair share on the target queue (:quantum not NULL) it also stamps the message.
+UPDATE conversation_endpoints
+SET send_sequence = send_sequence + 1,
+    state = CASE WHEN state = 'SI' THEN 'CO' ELSE state END,
+    fair_clock = CASE WHEN CAST(:quantum AS DOUBLE PRECISION) IS NULL THEN fair_clock
+        ELSE GREATEST(CAST(:now AS DOUBLE PRECISION), fair_clock + :quantum) END
+WHERE conversation_handle = :handle AND state IN ('SO', 'SI', 'CO')
+RETURNING send_sequence - 1 AS message_sequence_number,
+    CASE WHEN CAST(:quantum AS DOUBLE PRECISION) IS NULL THEN 0 ELSE fair_clock END AS fair_at;

@@ -1,0 +1,160 @@
+"""The scheduler's catalog on the broker (seed 002): message types, contract, queues and
+services, made idempotently, and the scheduler's own schema.
+
+Names default to the blog's (``AsyncSent``, ``AsyncDone``, ``AsyncContract``,
+``QueueAsyncInitiator`` …) and are configurable; several target services (e.g. one per
+cluster) can share one initiator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from scheduler_lib.broker import Broker, PoisonPolicy, schema
+from scheduler_lib.broker.exceptions import AlreadyExists, ContractNotFound, InvalidArgument
+from scheduler_lib.broker.poison import Notify
+
+MIGRATIONS = schema.MigrationSet("scheduler_lib.scheduler:migrations", "scheduler_alembic_version")
+QUERIES = "scheduler_lib.scheduler"
+EXECUTOR = "scheduler_lib.scheduler.executor:serve"  # the activation procedure
+LOST_TASK_CALLBACK = "scheduler_lib.scheduler.executor:report_lost_task"
+DEFAULT_KINDS = ("sql", "python")
+FAIR_SHARE = 1.0  # seconds of virtual time per task: schedulers are served in turn
+
+
+@dataclasses.dataclass(frozen=True)
+class Names:
+    """The broker objects the scheduler pattern uses (the blog's names by default)."""
+
+    sent: str = "AsyncSent"
+    done: str = "AsyncDone"
+    contract: str = "AsyncContract"
+    initiator_queue: str = "QueueAsyncInitiator"
+    initiator_service: str = "ServiceAsyncInitiator"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A target service: where tasks go and who runs them.
+
+    :param kinds: task kinds its executor runs; others are refused before sending
+    :param max_readers: most tasks it runs at once (activated readers)
+    :param retries: how often a task whose worker died silently is run again before it
+        fails (its caller is told either way)
+    :param activation: start executors on demand (off: run them yourself)
+    """
+
+    service: str = "ServiceAsyncTarget"
+    queue: str = "QueueAsyncTarget"
+    kinds: Sequence[str] = DEFAULT_KINDS
+    max_readers: int = 4
+    retries: int = 0
+    activation: bool = True
+    procedure: str = EXECUTOR
+
+
+def prepare(broker: Broker) -> None:
+    """The scheduler's schema and queries on this broker (idempotent, cheap)."""
+    if getattr(broker, "_scheduler_prepared", False):
+        return
+    broker.apply_migrations(MIGRATIONS)
+    broker.use_queries(QUERIES)
+    broker._scheduler_prepared = True  # type: ignore[attr-defined]
+
+
+def init(broker: Broker, names: Names = Names(), targets: Sequence[Target] = (Target(),)) -> None:
+    """Create whatever of the scheduler's catalog is missing and (re)write each target's
+    settings. Idempotent: safe to run on every start.
+
+    :raises InvalidArgument: for a target without kinds, or kinds given as one string
+    """
+    names = names or Names()
+    if not targets:
+        raise InvalidArgument("init needs at least one target service")
+    for target in targets:
+        if isinstance(target.kinds, str) or not target.kinds:
+            raise InvalidArgument(
+                f"target {target.service!r}: kinds must be a list of task kinds, "
+                f"got {target.kinds!r}"
+            )
+        if (
+            isinstance(target.retries, bool)
+            or not isinstance(target.retries, int)
+            or target.retries < 0
+        ):
+            raise InvalidArgument(
+                f"target {target.service!r}: retries must be an integer >= 0, "
+                f"got {target.retries!r}"
+            )
+    prepare(broker)
+    types = broker.message_types()
+    for message_type in (names.sent, names.done):
+        if message_type not in types:
+            _tolerate_race(functools.partial(broker.create_message_type, message_type, "JSON"))
+    try:
+        broker.contract(names.contract)
+    except ContractNotFound:
+        _tolerate_race(
+            functools.partial(
+                broker.create_contract,
+                names.contract,
+                {names.sent: "INITIATOR", names.done: "TARGET"},
+            )
+        )
+    queues = {q.name for q in broker.queues()}
+    services = {s["service_name"] for s in broker.services()}
+    if names.initiator_queue not in queues:
+        _tolerate_race(functools.partial(broker.create_queue, names.initiator_queue))
+    if names.initiator_service not in services:
+        _tolerate_race(
+            functools.partial(broker.create_service, names.initiator_service, names.initiator_queue)
+        )
+    for target in targets:
+        settings: dict[str, Any] = {
+            "activation_status": target.activation,
+            "activation_procedure": target.procedure,
+            "max_queue_readers": target.max_readers,
+            # Errors are results: a task that raises answers AsyncDone, it never rolls
+            # a receive back; silent failures are the lease's business.
+            "poison_message_handling": False,
+            "fair_share": FAIR_SHARE,
+        }
+        if target.queue not in queues:
+            _tolerate_race(functools.partial(broker.create_queue, target.queue, **settings))
+        else:
+            broker.alter_queue(target.queue, **settings)
+        if target.service not in services:
+            _tolerate_race(
+                functools.partial(
+                    broker.create_service, target.service, target.queue, [names.contract]
+                )
+            )
+        elif names.contract not in broker.service(target.service)["contracts"]:
+            broker.alter_service(target.service, add_contracts=[names.contract])
+        broker.set_poison_policy(
+            target.queue,
+            PoisonPolicy(
+                threshold=target.retries + 1,
+                dispositions=(Notify(event=False, callback=LOST_TASK_CALLBACK),),
+            ),
+        )
+        with broker.transaction() as tx:
+            tx.run("target_delete", service=target.service)
+            tx.run(
+                "target_insert",
+                service=target.service,
+                queue=target.queue,
+                kinds=",".join(dict.fromkeys(target.kinds)),
+                now=time.time(),
+            )
+
+
+def _tolerate_race(create: Callable[[], object]) -> None:
+    """Create an object; another process creating it first is fine (init is idempotent)."""
+    with contextlib.suppress(AlreadyExists):
+        create()

@@ -1,0 +1,406 @@
+"""The caller's side of the blog's pattern: ``GetScheduler``, ``ExecAsync``,
+``Synchronization``, ``ReleaseScheduler`` — and waves on top of them.
+
+A scheduler handle is one conversation from the initiator service to a target service.
+Each ``exec_async`` writes the task's ``execution_log`` row and sends it, in one
+transaction; each ``synchronization`` receives one ``AsyncDone`` of that conversation.
+Errors are results: a failed task comes back as a :class:`Completion` with its error.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from scheduler_lib.broker import (
+    END_DIALOG,
+    ERROR,
+    Broker,
+    ConversationNotFound,
+    ConversationStateError,
+)
+from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.exceptions import InvalidArgument, ServiceNotFound
+from scheduler_lib.broker.poison import worker_name
+from scheduler_lib.scheduler import catalog
+from scheduler_lib.scheduler.errors import (
+    KindNotAllowed,
+    SchedulerEnded,
+    SynchronizationTimeout,
+    UnknownKind,
+    WaveFailed,
+)
+from scheduler_lib.scheduler.executor import CANCELLED, FAILED, SUCCEEDED
+from scheduler_lib.scheduler.kinds import KINDS, Task, as_task
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("fail_fast", "continue")
+AIRFLOW_FIELDS = ("dag_id", "run_id", "task_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One ``AsyncDone``: which task, how it ended, its error or result."""
+
+    log_id: int | None
+    status: str  # SUCCEEDED, FAILED or CANCELLED
+    error: str | None = None
+    result: Any = None
+    task_name: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == SUCCEEDED
+
+
+@dataclasses.dataclass(eq=False)
+class SchedulerHandle:
+    """A scheduler: its conversation, its target, and what it has in flight."""
+
+    conversation_handle: uuid.UUID
+    target_service: str
+    max_in_flight: int | None = None
+    in_flight: int = 0
+    ahead: collections.deque[Completion] = dataclasses.field(default_factory=collections.deque)
+    names: dict[int, str] = dataclasses.field(default_factory=dict)  # log id -> task label
+
+    def __str__(self) -> str:
+        return str(self.conversation_handle)
+
+
+@dataclasses.dataclass
+class WaveReport:
+    index: int
+    completions: list[Completion]
+    not_sent: list[Task]
+
+
+@dataclasses.dataclass
+class RunReport:
+    """What :meth:`TaskScheduler.run_waves` did, wave by wave."""
+
+    scheduler_handle: uuid.UUID
+    waves: list[WaveReport]
+    started_at: float
+    ended_at: float
+
+    @property
+    def completions(self) -> list[Completion]:
+        return [c for w in self.waves for c in w.completions]
+
+    @property
+    def failures(self) -> list[Completion]:
+        return [c for c in self.completions if not c.ok]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and not any(w.not_sent for w in self.waves)
+
+
+class TaskScheduler:
+    """The scheduler pattern for one caller.
+
+    :param broker: the broker (its database holds the scheduler's catalog: run
+        :func:`~scheduler_lib.scheduler.init` once)
+    :param target: the default target service
+    :param context: Airflow's ``dag_id`` / ``run_id`` / ``task_id``, recorded in the log
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        names: catalog.Names | None = None,
+        target: str = catalog.Target.service,
+        caller_id: str | None = None,
+        context: Mapping[str, str | None] | None = None,
+    ) -> None:
+        catalog.prepare(broker)
+        self.broker = broker
+        self.names = names or catalog.Names()
+        self.target = target
+        self.caller_id = caller_id or worker_name()
+        unknown = set(context or {}) - set(AIRFLOW_FIELDS)
+        if unknown:
+            raise InvalidArgument(f"context takes {AIRFLOW_FIELDS}, not {sorted(unknown)}")
+        self.context = {k: (context or {}).get(k) for k in AIRFLOW_FIELDS}
+        self._kinds: dict[str, frozenset[str]] = {}
+
+    # --- the blog's four procedures ---------------------------------------------------
+
+    def get_scheduler(
+        self, *, target: str | None = None, max_in_flight: int | None = None
+    ) -> SchedulerHandle:
+        """GetScheduler: a new scheduler (conversation) to ``target``.
+
+        :param max_in_flight: at most this many of its tasks sent and not yet completed;
+            ``exec_async`` waits (collecting completions for ``synchronization``) beyond it
+        """
+        if max_in_flight is not None:
+            max_in_flight = checks.positive_int(max_in_flight, "max_in_flight")
+        service = target or self.target
+        self._allowed(service)  # an unknown target fails here, not at the first task
+        handle = self.broker.begin_dialog(
+            self.names.initiator_service, service, self.names.contract
+        )
+        return SchedulerHandle(handle, service, max_in_flight)
+
+    def exec_async(
+        self, handle: SchedulerHandle, task: Task | Mapping[str, Any], *, wave: int | None = None
+    ) -> int:
+        """ExecAsync: log the task and send it, in one transaction.
+
+        :return: the task's ``log_id``
+        :raises InvalidTask: for a malformed task (nothing is sent)
+        :raises KindNotAllowed: when the target does not run the task's kind
+        """
+        checked = as_task(task)
+        self._check_kind(handle.target_service, checked)
+        while handle.max_in_flight is not None and handle.in_flight >= handle.max_in_flight:
+            handle.ahead.append(self._receive(handle, None))
+        body = checked.to_dict()
+        with self.broker.transaction() as tx:
+            log_id = int(
+                tx.fetch_value(
+                    "log_insert",
+                    caller_id=self.caller_id,
+                    handle=str(handle.conversation_handle),
+                    target=handle.target_service,
+                    wave=wave,
+                    name=checked.label[:256],
+                    kind=checked.kind,
+                    body=json.dumps(body),
+                    now=time.time(),
+                    **self.context,
+                )
+            )
+            tx.send(
+                handle.conversation_handle,
+                self.names.sent,
+                json.dumps({"log_id": log_id, "task": body, "wave": wave}),
+            )
+        handle.in_flight += 1
+        handle.names[log_id] = checked.label
+        return log_id
+
+    def synchronization(self, handle: SchedulerHandle, timeout: float | None = None) -> Completion:
+        """Synchronization: wait for one of the scheduler's tasks to complete.
+
+        :param timeout: seconds; ``None`` waits for ever (as the blog's ``TIMEOUT -1``)
+        :raises SynchronizationTimeout: when nothing completed within ``timeout``
+        :raises SchedulerEnded: when the conversation was ended (``EndDialog``/``Error``)
+        """
+        if handle.ahead:
+            return handle.ahead.popleft()
+        return self._receive(handle, timeout)
+
+    def release_scheduler(self, handle: SchedulerHandle) -> None:
+        """ReleaseScheduler: end the conversation. Never fails because it is already
+        gone (the blog's "evil DBA" case)."""
+        with contextlib.suppress(ConversationNotFound, ConversationStateError):
+            self.broker.end_conversation(handle.conversation_handle)
+
+    @contextlib.contextmanager
+    def scheduler(
+        self, *, target: str | None = None, max_in_flight: int | None = None
+    ) -> Iterator[SchedulerHandle]:
+        """A scheduler for the ``with`` block, released at its end."""
+        handle = self.get_scheduler(target=target, max_in_flight=max_in_flight)
+        try:
+            yield handle
+        finally:
+            self.release_scheduler(handle)
+
+    def cancel_queued(self, handle: SchedulerHandle, reason: str = "cancelled") -> int:
+        """Mark the scheduler's tasks that have not started as cancelled; the executor
+        answers them ``CANCELLED`` without running them.
+
+        :return: how many were cancelled
+        """
+        with self.broker.transaction() as tx:
+            return tx.run(
+                "log_cancel_queued",
+                handle=str(handle.conversation_handle),
+                reason=reason,
+                now=time.time(),
+            )
+
+    def log(self, handle: SchedulerHandle) -> list[Mapping[str, Any]]:
+        """The scheduler's ``execution_log`` rows, in the order they were sent."""
+        with self.broker.transaction() as tx:
+            return tx.fetch("log_of_scheduler", handle=str(handle.conversation_handle))
+
+    # --- waves -----------------------------------------------------------------------
+
+    def run_waves(
+        self,
+        waves: Sequence[Sequence[Task | Mapping[str, Any]]],
+        *,
+        policy: str = "fail_fast",
+        max_in_flight: int | None = None,
+        target: str | None = None,
+        timeout: float | None = None,
+        on_completion: Callable[[int, Completion], None] | None = None,
+    ) -> RunReport:
+        """Run waves in order: the tasks of a wave run together, a wave starts when the
+        one before it has completed.
+
+        Every task of every wave is checked before anything is sent.
+
+        :param policy: ``fail_fast`` — at the first failure send nothing more, cancel
+            this scheduler's tasks that have not started, wait for those running, and
+            raise :class:`WaveFailed` listing every failure; ``continue`` — run every
+            wave and report (``RunReport.ok``)
+        :param max_in_flight: at most this many tasks sent and not completed at once
+        :param timeout: seconds to wait for any one completion
+        :param on_completion: called with (wave index, completion) as each arrives
+        """
+        if policy not in POLICIES:
+            raise InvalidArgument(f"policy must be one of {POLICIES}, got {policy!r}")
+        if isinstance(waves, str | bytes) or not isinstance(waves, Sequence):
+            raise InvalidArgument(f"waves must be a list of lists of tasks, got {waves!r}")
+        checked: list[list[Task]] = []
+        service = target or self.target
+        for w, wave in enumerate(waves, start=1):
+            if isinstance(wave, str | bytes | Mapping) or not isinstance(wave, Sequence):
+                raise InvalidArgument(f"wave {w} must be a list of tasks, got {wave!r}")
+            tasks = [as_task(t, f"wave {w}, task {i}") for i, t in enumerate(wave, start=1)]
+            for t in tasks:
+                self._check_kind(service, t)
+            checked.append(tasks)
+        started = time.time()
+        reports: list[WaveReport] = []
+        with self.scheduler(target=service, max_in_flight=max_in_flight) as handle:
+            stopped = False
+            for index, tasks in enumerate(checked):
+                if stopped:
+                    reports.append(WaveReport(index, [], list(tasks)))
+                    continue
+                report = self._run_wave(handle, index, tasks, policy, timeout, on_completion)
+                reports.append(report)
+                stopped = policy == "fail_fast" and any(not c.ok for c in report.completions)
+        result = RunReport(handle.conversation_handle, reports, started, time.time())
+        if policy == "fail_fast" and result.failures:
+            failures = result.failures
+            listed = "; ".join(
+                f"{c.task_name or c.log_id}: {c.status}"
+                + (f" ({(c.error or '').splitlines()[0]})" if c.error else "")
+                for c in failures
+            )
+            raise WaveFailed(
+                f"{len([c for c in failures if c.status == FAILED])} task(s) failed, "
+                f"{len([c for c in failures if c.status == CANCELLED])} cancelled, "
+                f"{sum(len(w.not_sent) for w in reports)} not sent: {listed}",
+                failures,
+                result.completions,
+            )
+        return result
+
+    def _run_wave(
+        self,
+        handle: SchedulerHandle,
+        index: int,
+        tasks: list[Task],
+        policy: str,
+        timeout: float | None,
+        on_completion: Callable[[int, Completion], None] | None,
+    ) -> WaveReport:
+        pending = collections.deque(tasks)
+        completions: list[Completion] = []
+        outstanding = 0
+        stop = False
+        limit = handle.max_in_flight
+        while pending or outstanding:
+            while pending and not stop and (limit is None or outstanding < limit):
+                self.exec_async(handle, pending.popleft(), wave=index)
+                outstanding += 1
+            if not outstanding:
+                break
+            completion = self.synchronization(handle, timeout)
+            outstanding -= 1
+            completions.append(completion)
+            if on_completion is not None:
+                on_completion(index, completion)
+            if not completion.ok and policy == "fail_fast" and not stop:
+                stop = True
+                cancelled = self.cancel_queued(
+                    handle, f"cancelled: task {completion.task_name or completion.log_id} failed"
+                )
+                log.warning(
+                    "wave %s: %s failed; %s queued task(s) cancelled, %s not sent",
+                    index,
+                    completion.task_name or completion.log_id,
+                    cancelled,
+                    len(pending),
+                )
+        return WaveReport(index, completions, list(pending) if stop else [])
+
+    # --- internals -------------------------------------------------------------------
+
+    def _receive(self, handle: SchedulerHandle, timeout: float | None) -> Completion:
+        messages = self.broker.receive(
+            self.names.initiator_queue,
+            timeout=timeout,
+            conversation=handle.conversation_handle,
+        )
+        if not messages:
+            raise SynchronizationTimeout(
+                f"scheduler {handle}: no task completed within {timeout} s "
+                f"({handle.in_flight} in flight)"
+            )
+        message = messages[0]
+        if message.message_type_name in (END_DIALOG, ERROR):
+            with contextlib.suppress(ConversationNotFound, ConversationStateError):
+                self.broker.end_conversation(handle.conversation_handle)
+            how = "ended it (EndDialog)"
+            if message.error is not None:
+                how = f"ended it with error {message.error[0]}: {message.error[1]}"
+            raise SchedulerEnded(
+                f"scheduler {handle}: the target service {handle.target_service!r} {how}; "
+                f"{handle.in_flight} task(s) will not complete"
+            )
+        done = message.json()
+        handle.in_flight -= 1
+        log_id = done.get("log_id")
+        raw = done.get("result")
+        return Completion(
+            log_id=log_id,
+            status=done["status"],
+            error=done.get("error"),
+            result=None if raw is None else json.loads(raw),
+            task_name=handle.names.get(log_id) if log_id is not None else None,
+        )
+
+    def _allowed(self, service: str) -> frozenset[str]:
+        allowed = self._kinds.get(service)
+        if allowed is None:
+            with self.broker.transaction() as tx:
+                row = tx.fetch_one("target_get", service=service)
+            if row is None:
+                raise ServiceNotFound(
+                    f"{service!r} is not a scheduler target service",
+                    hint="scheduler_lib.scheduler.init(broker, targets=[Target(service=...)])",
+                )
+            allowed = self._kinds[service] = frozenset(row["allowed_kinds"].split(","))
+        return allowed
+
+    def _check_kind(self, service: str, task: Task) -> None:
+        allowed = self._allowed(service)
+        if task.kind not in allowed and task.kind not in KINDS:
+            raise UnknownKind(
+                f"unknown task kind {task.kind!r}: target service {service!r} runs "
+                f"{sorted(allowed)}"
+            )
+        if task.kind not in allowed:
+            raise KindNotAllowed(
+                f"target service {service!r} does not run {task.kind!r} tasks "
+                f"(it runs {sorted(allowed)})"
+            )

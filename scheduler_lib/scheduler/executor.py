@@ -1,0 +1,354 @@
+"""The executor: the target queue's activation procedure (the blog's
+``ActivationAsyncTarget``).
+
+Each task is taken in a short transaction under a lease, together with its
+``execution_log`` start (who and when); it runs with no transaction open while the lease
+is renewed; its end, status, error and result are written in the transaction that
+answers ``AsyncDone`` and completes the lease. Errors are results: a task that raises
+answers ``FAILED`` with the error. A worker that dies mid-task stops renewing its lease;
+the queue's poison policy (set by ``init``) runs it again or fails it, and
+:func:`report_lost_task` tells the caller — nobody waits for ever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from scheduler_lib.broker import (
+    END_DIALOG,
+    ERROR,
+    Broker,
+    ConversationNotFound,
+    ConversationStateError,
+    LeaseLost,
+    SentBy,
+    Transaction,
+    activation,
+)
+from scheduler_lib.broker.poison import Lease, PoisonEvent
+from scheduler_lib.scheduler import catalog
+from scheduler_lib.scheduler.errors import InvalidTask, KindNotAllowed
+from scheduler_lib.scheduler.kinds import Task, TaskContext, as_task, get_kind
+from scheduler_lib.scheduler.semaphores import Semaphores
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT = float(os.environ.get("SCHEDULER_LIB_EXECUTOR_IDLE", "10"))  # seconds
+POLL = 1.0  # seconds per RECEIVE while idle, so a stopping runtime is noticed
+LEASE = 30.0  # seconds a task is held without a heartbeat (renewed every third)
+TARGETS_REFRESH = 5.0  # seconds the allowed kinds of the targets are trusted
+ERROR_LIMIT = 8000  # characters of a task's error kept
+RESULT_LIMIT = 64 * 1024  # characters of a task's result kept
+
+SUCCEEDED, FAILED, CANCELLED = "SUCCEEDED", "FAILED", "CANCELLED"
+
+
+def serve(broker: Broker, queue: str) -> None:
+    """The activation procedure: run tasks from ``queue`` until it has been idle for
+    ``SCHEDULER_LIB_EXECUTOR_IDLE`` seconds (10 by default) or the runtime stops."""
+    Executor(broker, queue).serve()
+
+
+class Executor:
+    """Runs the tasks of one target queue, one at a time per calling thread.
+
+    :param sql_url: where ``sql`` tasks run (default: ``SCHEDULER_LIB_SQL_URL``, else the
+        broker's own database, as the blog's ``exec(@SQL)`` does)
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        queue: str,
+        *,
+        lease: float = LEASE,
+        sql_url: str | None = None,
+        idle_timeout: float = IDLE_TIMEOUT,
+    ) -> None:
+        catalog.prepare(broker)
+        self.broker = broker
+        self.queue = queue
+        self.lease = lease
+        self.idle_timeout = idle_timeout
+        self.sql_url = (
+            sql_url
+            or os.environ.get("SCHEDULER_LIB_SQL_URL")
+            or broker.url.render_as_string(hide_password=False)
+        )
+        self.semaphores = Semaphores(broker)
+        self._targets: tuple[float, dict[str, frozenset[str]]] | None = None
+
+    def serve(self) -> int:
+        """Run tasks until idle for ``idle_timeout`` or the runtime stops.
+
+        :return: how many messages were handled
+        """
+        handled = 0
+        idle_since = time.monotonic()
+        while not activation.stopping():
+            left = self.idle_timeout - (time.monotonic() - idle_since)
+            if left <= 0:
+                return handled
+            if self.run_one(timeout=min(POLL, left)):
+                handled += 1
+                idle_since = time.monotonic()
+        return handled
+
+    def run_one(self, timeout: float | None = 0) -> bool:
+        """Take one message and deal with it; ``False`` when none came within
+        ``timeout``."""
+        with self.broker.transaction() as tx:
+            leases = tx.take(self.queue, timeout=timeout, lease=self.lease)
+            if not leases:
+                return False
+            lease = leases[0]
+            started = self._start(tx, lease)
+        if started is not None:
+            log_id, task = started
+            self._run(lease, log_id, task)
+        return True
+
+    # --- starting --------------------------------------------------------------------
+
+    def _start(self, tx: Transaction, lease: Lease) -> tuple[int, Task] | None:
+        """In the taking transaction: end dialogs, refuse what cannot run, record the
+        start. Returns what to run, or ``None`` when it was dealt with here."""
+        message = lease.message
+        handle = message.conversation_handle
+        if message.message_type_name in (END_DIALOG, ERROR):
+            # The scheduler was released (or failed): end our side, as the blog does
+            # (after the lease: ending the conversation removes its leases).
+            tx.complete(lease)
+            with contextlib.suppress(ConversationNotFound, ConversationStateError):
+                tx.end_conversation(handle)
+            return None
+        now = time.time()
+        log_id: int | None = None
+        try:
+            payload = message.json()
+            log_id = int(payload["log_id"])
+            task = as_task(payload["task"], f"task {log_id}")
+            get_kind(task.kind)
+            allowed = self._allowed(tx, message.service_name)
+            if task.kind not in allowed:
+                raise KindNotAllowed(
+                    f"task {log_id}: target service {message.service_name!r} does not run "
+                    f"{task.kind!r} tasks (it runs {sorted(allowed)})"
+                )
+        except Exception as exc:  # a task that cannot run is a failed result
+            error = _error(exc)
+            log.warning("refusing a task from %s: %s", handle, error)
+            if log_id is not None:
+                tx.run("log_fail", log_id=log_id, error=error, now=now)
+            self._answer(tx, message, log_id, FAILED, error, None)
+            tx.complete(lease)
+            return None
+        if not tx.run(
+            "log_start",
+            log_id=log_id,
+            worker=worker_id(),
+            activated_task_id=activation.current_reader(),
+            now=now,
+        ):
+            # Cancelled (fail fast) before it started: say so, run nothing.
+            row = tx.fetch_one("log_get", log_id=log_id)
+            status = row["status"] if row is not None else CANCELLED
+            error = row["error"] if row is not None else "the task's log row is gone"
+            self._answer(tx, message, log_id, status, error, None)
+            tx.complete(lease)
+            return None
+        return log_id, task
+
+    def _allowed(self, tx: Transaction, service: str) -> frozenset[str]:
+        now = time.monotonic()
+        if self._targets is None or now - self._targets[0] > TARGETS_REFRESH:
+            # In the caller's transaction: a second one of this thread would wait for the
+            # first's write lock on SQLite.
+            rows = tx.fetch("target_list")
+            self._targets = (
+                now,
+                {r["service_name"]: frozenset(r["allowed_kinds"].split(",")) for r in rows},
+            )
+        allowed = self._targets[1].get(service)
+        if allowed is None:
+            raise InvalidTask(
+                f"service {service!r} is not a scheduler target",
+                hint="scheduler_lib.scheduler.init(broker, targets=[Target(service=...)])",
+            )
+        return allowed
+
+    # --- running ---------------------------------------------------------------------
+
+    def _run(self, lease: Lease, log_id: int, task: Task) -> None:
+        cancelled = threading.Event()
+
+        def record_spark(application_id: str | None, job_group: str | None) -> None:
+            with self.broker.transaction() as tx:
+                tx.run(
+                    "log_spark",
+                    log_id=log_id,
+                    application_id=application_id,
+                    job_group=job_group,
+                )
+
+        context = TaskContext(log_id, task, self.sql_url, cancelled, record_spark)
+        result: Any = None
+        error: str | None = None
+        with self.broker.keep_alive([lease]) as lost:
+            try:
+                with self._permit(task):
+                    result = get_kind(task.kind).run(task.spec, context)
+                status = SUCCEEDED
+            except Exception as exc:  # errors are results
+                status, error = FAILED, _error(exc, with_traceback=True)
+        if lost:
+            log.warning("task %s lost its lease while it ran; its result is dropped", log_id)
+            return
+        encoded = _result(result)
+        try:
+            with self.broker.transaction() as tx:
+                tx.run(
+                    "log_finish",
+                    log_id=log_id,
+                    status=status,
+                    error=error,
+                    result=encoded,
+                    now=time.time(),
+                )
+                self._answer(tx, lease.message, log_id, status, error, encoded)
+                tx.complete(lease)
+        except LeaseLost:
+            # It expired just now: the poison policy retried or failed it already, and
+            # told the caller; this answer must not be a second one.
+            log.warning("task %s finished after its lease expired; result dropped", log_id)
+
+    @contextlib.contextmanager
+    def _permit(self, task: Task) -> Iterator[None]:
+        if task.semaphore is None:
+            yield
+            return
+        with self.semaphores.hold(task.semaphore, lease=self.lease):
+            yield
+
+    # --- answering -------------------------------------------------------------------
+
+    def _answer(
+        self,
+        tx: Transaction,
+        message: Any,
+        log_id: int | None,
+        status: str,
+        error: str | None,
+        result: str | None,
+    ) -> None:
+        answer(
+            tx,
+            message.conversation_handle,
+            message.service_contract_name,
+            log_id,
+            status,
+            error,
+            result,
+        )
+
+
+def answer(
+    tx: Transaction,
+    handle: Any,
+    contract: str,
+    log_id: int | None,
+    status: str,
+    error: str | None,
+    result: str | None,
+) -> None:
+    """Send ``AsyncDone`` (the contract's target-sent type) on the scheduler's
+    conversation; a scheduler that was released meanwhile is not an error."""
+    done = _done_type(tx, contract)
+    body = json.dumps({"log_id": log_id, "status": status, "error": error, "result": result})
+    try:
+        with tx.savepoint():
+            tx.send(handle, done, body)
+    except (ConversationNotFound, ConversationStateError):
+        log.info("task %s ended after its scheduler was released", log_id)
+
+
+_done_types: dict[str, str] = {}
+
+
+def _done_type(tx: Transaction, contract: str) -> str:
+    done = _done_types.get(contract)
+    if done is None:
+        targets = [t for t, by in tx.contract(contract).items() if by is SentBy.TARGET]
+        if len(targets) != 1:
+            raise InvalidTask(
+                f"contract {contract!r} must have exactly one message type sent by the "
+                f"target (the scheduler's AsyncDone), has {targets}"
+            )
+        done = _done_types[contract] = targets[0]
+    return done
+
+
+def report_lost_task(event: PoisonEvent) -> None:
+    """The target queue's poison callback: a task whose worker went silent (its lease
+    expired ``retries + 1`` times) failed — its row says so and its caller is told."""
+    tx = event.tx
+    tx.broker.use_queries(catalog.QUERIES)
+    message = event.message
+    try:
+        log_id: int | None = int(message.json()["log_id"])
+    except (ValueError, KeyError, TypeError):
+        log_id = None
+    error = (
+        f"the task's worker stopped without an answer "
+        f"({event.failures} time(s)): {event.last_error or 'unknown'}"
+    )
+    if log_id is not None:
+        tx.run("log_fail", log_id=log_id, error=error, now=time.time())
+    answer(
+        tx,
+        message.conversation_handle,
+        message.service_contract_name,
+        log_id,
+        FAILED,
+        error,
+        None,
+    )
+
+
+def worker_id() -> str:
+    """Who runs a task: host, process and reader (our SPID)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
+
+
+def _error(exc: BaseException, *, with_traceback: bool = False) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if with_traceback:
+        text += "\n" + "".join(traceback.format_tb(exc.__traceback__)[-5:])
+    return text[:ERROR_LIMIT]
+
+
+def _result(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = json.dumps(repr(value))
+    if len(text) > RESULT_LIMIT:  # keep the log row small, and still valid JSON
+        text = json.dumps({"truncated": True, "length": len(text), "head": text[:1000]})
+    return text
+
+
+def decode_result(done: Mapping[str, Any]) -> Any:
+    """The task's result as the caller sees it (JSON-decoded)."""
+    raw = done.get("result")
+    return None if raw is None else json.loads(raw)

@@ -1,0 +1,243 @@
+"""Task kinds: what a task is, how it is checked, how it runs.
+
+A task is a JSON object with ``kind``, an optional ``name`` and ``semaphore``, and the
+kind's own fields. The caller checks a task before anything is sent (malformed tasks and
+kinds the target does not run are refused there); the executor runs it. Kinds are
+pluggable: the Spark layer registers ``spark_sql``, ``pyspark`` and ``spark_submit``
+with :func:`register_kind` without touching this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+
+from scheduler_lib.broker import engine as engines
+from scheduler_lib.broker.activation import resolve
+from scheduler_lib.broker.exceptions import InvalidArgument
+from scheduler_lib.scheduler.errors import InvalidTask, UnknownKind
+
+COMMON_FIELDS = ("kind", "name", "semaphore")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task: its kind, the kind's fields, a name for the log, and optionally a named
+    semaphore it must hold while it runs."""
+
+    kind: str
+    spec: Mapping[str, Any]
+    name: str | None = None
+    semaphore: str | None = None
+
+    @classmethod
+    def python(
+        cls,
+        target: str,
+        *args: Any,
+        name: str | None = None,
+        semaphore: str | None = None,
+        **kwargs: Any,
+    ) -> Task:
+        """A ``python`` task: ``target`` (``package.module:function``) called with JSON
+        arguments."""
+        return cls(
+            "python", {"callable": target, "args": list(args), "kwargs": kwargs}, name, semaphore
+        )
+
+    @classmethod
+    def sql(cls, *statements: str, name: str | None = None, semaphore: str | None = None) -> Task:
+        """An ``sql`` task: statements run in one transaction (the blog's ``exec(@SQL)``)."""
+        return cls("sql", {"sql": list(statements)}, name, semaphore)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "task") -> Task:
+        """A task from its JSON form; ``where`` names it in errors."""
+        if not isinstance(data, Mapping):
+            raise InvalidTask(f"{where}: a task is an object with a 'kind', got {data!r}")
+        kind = data.get("kind")
+        if not isinstance(kind, str) or not kind:
+            raise InvalidTask(f"{where}: field 'kind' must name a task kind, got {kind!r}")
+        name = data.get("name")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise InvalidTask(f"{where}: field 'name' must be non-empty text, got {name!r}")
+        semaphore = data.get("semaphore")
+        if semaphore is not None and (not isinstance(semaphore, str) or not semaphore.strip()):
+            raise InvalidTask(
+                f"{where}: field 'semaphore' must name a semaphore, got {semaphore!r}"
+            )
+        spec = {k: v for k, v in data.items() if k not in COMMON_FIELDS}
+        return cls(kind, spec, name, semaphore)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"kind": self.kind, **self.spec}
+        if self.name is not None:
+            data["name"] = self.name
+        if self.semaphore is not None:
+            data["semaphore"] = self.semaphore
+        return data
+
+    @property
+    def label(self) -> str:
+        """The name the log shows: the task's name, else one made from its kind."""
+        if self.name:
+            return self.name
+        describe = KINDS[self.kind].describe if self.kind in KINDS else None
+        return describe(self.spec) if describe else self.kind
+
+
+def as_task(task: Task | Mapping[str, Any], where: str = "task") -> Task:
+    """A :class:`Task` from a task or its JSON form, checked by its kind when this process
+    knows the kind (the executor checks again before running it)."""
+    checked = task if isinstance(task, Task) else Task.from_dict(task, where)
+    kind = KINDS.get(checked.kind)
+    if kind is not None:
+        spec = kind.validate(dict(checked.spec), where)
+        checked = dataclasses.replace(checked, spec=spec)
+    try:
+        json.dumps(checked.to_dict())
+    except (TypeError, ValueError) as exc:
+        raise InvalidTask(f"{where}: a task must be JSON (its arguments too): {exc}") from None
+    return checked
+
+
+@dataclasses.dataclass
+class TaskContext:
+    """What a running task may know and use."""
+
+    log_id: int
+    task: Task
+    sql_url: str  # where ``sql`` tasks run
+    cancelled: threading.Event  # set when the task should stop (fail fast, release)
+    record_spark: Callable[[str | None, str | None], None]  # (application id, job group)
+
+
+class TaskKind(Protocol):
+    """What a kind provides."""
+
+    name: str
+
+    def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
+        """The spec, checked and normalized; raise :class:`InvalidTask` naming the field."""
+        ...
+
+    def run(self, spec: Mapping[str, Any], context: TaskContext) -> Any:
+        """Run the task; return a JSON-serialisable result or raise."""
+        ...
+
+    def describe(self, spec: Mapping[str, Any]) -> str:
+        """A short label for the log when the task has no name."""
+        ...
+
+
+KINDS: dict[str, TaskKind] = {}
+
+
+def register_kind(kind: TaskKind) -> None:
+    """Make a task kind known in this process (the executor runs only known kinds)."""
+    if not isinstance(getattr(kind, "name", None), str) or not kind.name:
+        raise InvalidArgument(f"a task kind needs a name, got {kind!r}")
+    KINDS[kind.name] = kind
+
+
+def get_kind(name: str) -> TaskKind:
+    kind = KINDS.get(name)
+    if kind is None:
+        raise UnknownKind(
+            f"unknown task kind {name!r}; this process knows {sorted(KINDS)}",
+            hint="the Spark kinds come with `scheduler-lib worker`",
+        )
+    return kind
+
+
+class PythonKind:
+    """``{"kind": "python", "callable": "package.module:function", "args": [...],
+    "kwargs": {...}}``: the function's return value is the result."""
+
+    name = "python"
+
+    def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
+        _only(spec, ("callable", "args", "kwargs"), where)
+        target = spec.get("callable")
+        if not isinstance(target, str) or not target.replace(":", ".").count("."):
+            raise InvalidTask(
+                f"{where}: field 'callable' must be a dotted path like "
+                f"'package.module:function', got {target!r}"
+            )
+        args = spec.get("args", [])
+        if not isinstance(args, list):
+            raise InvalidTask(f"{where}: field 'args' must be a list, got {args!r}")
+        kwargs = spec.get("kwargs", {})
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise InvalidTask(f"{where}: field 'kwargs' must be an object, got {kwargs!r}")
+        return {"callable": target, "args": args, "kwargs": kwargs}
+
+    def run(self, spec: Mapping[str, Any], context: TaskContext) -> Any:
+        function = resolve(spec["callable"], "task callable")
+        return function(*spec["args"], **spec["kwargs"])
+
+    def describe(self, spec: Mapping[str, Any]) -> str:
+        return str(spec.get("callable", "python"))
+
+
+class SqlKind:
+    """``{"kind": "sql", "sql": "statement" | ["statement", ...]}``: run in one
+    transaction on the executor's SQL database; the result is the rows changed (or
+    returned) by each statement."""
+
+    name = "sql"
+
+    def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
+        _only(spec, ("sql",), where)
+        statements = spec.get("sql")
+        if isinstance(statements, str):
+            statements = [statements]
+        if (
+            not isinstance(statements, list)
+            or not statements
+            or not all(isinstance(s, str) and s.strip() for s in statements)
+        ):
+            raise InvalidTask(
+                f"{where}: field 'sql' must be a statement or a non-empty list of them, "
+                f"got {spec.get('sql')!r}"
+            )
+        return {"sql": statements}
+
+    def run(self, spec: Mapping[str, Any], context: TaskContext) -> Any:
+        counts = []
+        with _sql_engine(context.sql_url).begin() as conn:
+            for statement in spec["sql"]:
+                result = conn.exec_driver_sql(statement)
+                counts.append(len(result.fetchall()) if result.returns_rows else result.rowcount)
+        return counts
+
+    def describe(self, spec: Mapping[str, Any]) -> str:
+        first = " ".join(str(spec.get("sql", ["sql"])[0]).split())
+        return first if len(first) <= 60 else first[:57] + "..."
+
+
+@functools.cache
+def _sql_engine(url: str) -> sa.Engine:
+    # The user's database, not the broker's store: the blog's exec(@SQL) runs the task's
+    # own statements there (with the broker's engine settings: WAL and BEGIN IMMEDIATE
+    # on SQLite, psycopg on PostgreSQL).
+    return engines.create_engine(url, pool_pre_ping=True)
+
+
+def _only(spec: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(spec) - set(allowed))
+    if unknown:
+        raise InvalidTask(
+            f"{where}: unknown field(s) {unknown}; this kind takes {list(allowed)} "
+            f"and {list(COMMON_FIELDS)}"
+        )
+
+
+register_kind(PythonKind())
+register_kind(SqlKind())

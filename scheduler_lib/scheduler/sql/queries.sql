@@ -1,0 +1,121 @@
+-- Named queries of the task scheduler, run through the broker's store
+-- (Broker.use_queries("scheduler_lib.scheduler")). Times are seconds since the epoch.
+
+-- name: target_get
+-- A target service and the task kinds it runs.
+SELECT * FROM scheduler_targets WHERE service_name = :service;
+
+-- name: target_list
+-- Every target service.
+SELECT * FROM scheduler_targets ORDER BY service_name;
+
+-- name: target_delete
+-- Before (re)writing a target's settings.
+DELETE FROM scheduler_targets WHERE service_name = :service;
+
+-- name: target_insert
+-- A target service's settings.
+INSERT INTO scheduler_targets (service_name, queue_name, allowed_kinds, updated_at)
+VALUES (:service, :queue, :kinds, :now);
+
+-- name: log_insert
+-- ExecAsync: the task's row, written in the transaction that sends it.
+INSERT INTO execution_log (
+    caller_id, scheduler_handle, target_service, wave, task_name, task_kind, task_body,
+    sent_at, start_time, status, attempts, dag_id, run_id, task_id
+) VALUES (
+    :caller_id, :handle, :target, :wave, :name, :kind, :body, :now, :now, 'QUEUED', 0,
+    :dag_id, :run_id, :task_id
+)
+RETURNING log_id;
+
+-- name: log_start
+-- The executor starts the task (or, after its worker died, starts it again): who and
+-- when. No row changed: the task was cancelled (or already ended) meanwhile.
+UPDATE execution_log
+SET status = 'RUNNING', start_time = :now, worker_id = :worker,
+    activated_task_id = :activated_task_id, attempts = attempts + 1
+WHERE log_id = :log_id AND status IN ('QUEUED', 'RUNNING');
+
+-- name: log_spark
+-- The Spark application and job group a task runs in.
+UPDATE execution_log SET spark_application_id = :application_id, spark_job_group = :job_group
+WHERE log_id = :log_id;
+
+-- name: log_finish
+-- The task ended: when, how, and what it returned or raised.
+UPDATE execution_log
+SET status = :status, end_time = :now, error = :error, result = :result
+WHERE log_id = :log_id AND status = 'RUNNING';
+
+-- name: log_fail
+-- A task whose worker went silent (or that could not start) ended in failure.
+UPDATE execution_log
+SET status = 'FAILED', end_time = :now, error = :error
+WHERE log_id = :log_id AND end_time IS NULL;
+
+-- name: log_get
+-- One row of the log.
+SELECT * FROM execution_log WHERE log_id = :log_id;
+
+-- name: log_cancel_queued
+-- Fail fast: what this scheduler sent and nobody started yet will not run.
+UPDATE execution_log SET status = 'CANCELLED', end_time = :now,
+    error = :reason
+WHERE scheduler_handle = :handle AND status = 'QUEUED';
+
+-- name: log_of_scheduler
+-- A scheduler's rows, in the order they were sent.
+SELECT * FROM execution_log WHERE scheduler_handle = :handle ORDER BY log_id;
+
+-- name: log_recent
+-- The most recent rows of the log.
+SELECT * FROM execution_log ORDER BY log_id DESC LIMIT :limit;
+
+-- name: status_list
+-- The execution_status view: running activated readers with what they run now.
+SELECT * FROM execution_status ORDER BY queue_name, reader_started_at;
+
+-- name: semaphore_get
+-- A named semaphore. (On PostgreSQL, locked: acquirers take turns.)
+SELECT * FROM semaphores WHERE semaphore_name = :name;
+
+-- name: semaphore_insert
+-- Create a named semaphore.
+INSERT INTO semaphores (semaphore_name, permits, created_at) VALUES (:name, :permits, :now);
+
+-- name: semaphore_set_permits
+-- Change how many may hold it at once.
+UPDATE semaphores SET permits = :permits WHERE semaphore_name = :name;
+
+-- name: semaphore_list
+-- Every semaphore with how many hold it now.
+SELECT s.semaphore_name, s.permits,
+    (SELECT count(*) FROM semaphore_holders h
+     WHERE h.semaphore_name = s.semaphore_name AND h.expires_at > :now) AS held
+FROM semaphores s ORDER BY s.semaphore_name;
+
+-- name: semaphore_expire
+-- Permits whose holder stopped renewing them come back.
+DELETE FROM semaphore_holders WHERE semaphore_name = :name AND expires_at <= :now;
+
+-- name: semaphore_held
+-- How many hold the semaphore now.
+SELECT count(*) FROM semaphore_holders WHERE semaphore_name = :name;
+
+-- name: semaphore_holder_insert
+-- Take a permit.
+INSERT INTO semaphore_holders (holder_id, semaphore_name, holder, acquired_at, expires_at)
+VALUES (:holder_id, :name, :holder, :now, :expires_at);
+
+-- name: semaphore_holder_renew
+-- The holder is alive.
+UPDATE semaphore_holders SET expires_at = :expires_at WHERE holder_id = :holder_id;
+
+-- name: semaphore_holder_delete
+-- Give a permit back.
+DELETE FROM semaphore_holders WHERE holder_id = :holder_id;
+
+-- name: semaphore_holders
+-- Who holds a semaphore now.
+SELECT * FROM semaphore_holders WHERE semaphore_name = :name ORDER BY acquired_at;
