@@ -25,6 +25,7 @@ MAX_MESSAGE_SIZE = 64 * 1024 * 1024  # bytes of body a message may carry
 EMPTY_RECEIVE_STAMP_INTERVAL = 0.25  # seconds; how often a process stamps empty receives
 TIMER_POLL_INTERVAL = 1.0  # seconds; the timer thread re-reads the soonest deadline this often
 LISTEN_READY_TIMEOUT = 10.0  # seconds to wait for LISTEN before the first receive relies on it
+WAITER_LINGER = 5.0  # seconds a process stays registered as waiting after its last waiter
 
 
 class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
@@ -83,11 +84,16 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
             None if self._store.is_postgresql else threading.RLock()
         )
         self._write_gate_timeout = engines.SQLITE_BUSY_TIMEOUT
+        self._waiters: dict[str, int] = {}  # queue -> this process's waiting receivers
+        self._registered: set[str] = set()  # queues where this process counts as waiting
+        self._waiters_idle_since: dict[str, float] = {}
+        self._waiters_lock = threading.Lock()
         self._empty_stamped: dict[str, float] = {}
         self._waiting_noted: dict[str, float] = {}
         self._empty_stamp_lock = threading.Lock()
         self._closed = threading.Event()
         self._timer_wakeup = threading.Event()
+        self._timer_sleeps_until = 0.0  # epoch seconds: when the timer thread looks next
         self._timer_thread: threading.Thread | None = None
         if timers:
             self._timer_thread = threading.Thread(
@@ -138,6 +144,13 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
         self._timer_wakeup.set()
         if self._timer_thread is not None:
             self._timer_thread.join(timeout=5)
+        with self._waiters_lock:
+            registered, self._registered = self._registered, set()
+        for queue in registered:  # leave no count behind (senders would NOTIFY for nobody)
+            try:
+                self._register_waiter(queue, -1)
+            except Exception:
+                log.warning("could not unregister the waiters of %s", queue, exc_info=True)
         if self._listener is not None:
             self._listener.stop()
         if self._watcher is not None:
@@ -154,10 +167,10 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
 
     # --- used by transactions --------------------------------------------------------
 
-    def _after_commit(self, queues: frozenset[str], timers_changed: bool) -> None:
+    def _after_commit(self, queues: frozenset[str], deadline: float | None) -> None:
         self._wakeups.notify(queues)
-        if timers_changed:
-            self._timer_wakeup.set()
+        if deadline is not None and deadline < self._timer_sleeps_until:
+            self._timer_wakeup.set()  # it would sleep past the new deadline
 
     def _count_rollbacks(self, queues: frozenset[str]) -> None:
         """Built-in poison message detection, in a transaction of its own: the one that
@@ -227,14 +240,55 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
                 self._watcher = wakeup.SqliteWatcher(self._engine.url.database, self._wakeups)
 
     def _set_waiting(self, queue: str, delta: int) -> None:
-        """Register a PostgreSQL receiver as waiting (senders then NOTIFY)."""
+        """Register a PostgreSQL receiver as waiting (senders then NOTIFY).
+
+        The process registers once per queue, on its first waiter, and keeps the
+        registration ``WAITER_LINGER`` seconds after its last waiter left: a reader that
+        waits again and again (an executor, ``synchronization``) then costs no
+        bookkeeping transactions. A registration nobody uses costs extra NOTIFYs only.
+        """
         assert self._listener is not None
         if delta > 0:
             self._listener.wait_ready(LISTEN_READY_TIMEOUT)
+        with self._waiters_lock:
+            count = self._waiters.get(queue, 0) + (1 if delta > 0 else -1)
+            self._waiters[queue] = max(count, 0)
+            if delta > 0:
+                self._waiters_idle_since.pop(queue, None)
+                if queue in self._registered:
+                    return
+                self._registered.add(queue)
+            else:
+                if count <= 0:  # the timer thread unregisters it once the linger is over
+                    self._waiters_idle_since[queue] = time.monotonic()
+                return
+        self._register_waiter(queue, +1)
+
+    def _register_waiter(self, queue: str, delta: int) -> None:
         name = "queue_add_waiter" if delta > 0 else "queue_remove_waiter"
         with self._engine.begin() as conn:
             self._store.execute(conn, "commit_without_fsync")
             self._store.execute(conn, name, name=queue)
+
+    def _unregister_idle_waiters(self) -> float | None:
+        """Drop registrations whose linger is over; seconds until the next one ends."""
+        now = time.monotonic()
+        due, soonest = [], None
+        with self._waiters_lock:
+            for queue, since in list(self._waiters_idle_since.items()):
+                if now - since >= WAITER_LINGER:
+                    del self._waiters_idle_since[queue]
+                    self._registered.discard(queue)
+                    due.append(queue)
+                else:
+                    left = WAITER_LINGER - (now - since)
+                    soonest = left if soonest is None else min(soonest, left)
+        for queue in due:
+            try:
+                self._register_waiter(queue, -1)
+            except Exception:
+                log.warning("could not unregister the waiters of %s", queue, exc_info=True)
+        return soonest
 
     # --- timers ----------------------------------------------------------------------
 
@@ -268,5 +322,11 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
             sleep = TIMER_POLL_INTERVAL
             if deadline is not None:
                 sleep = max(0.0, min(sleep, float(deadline) - time.time()))
+            if self._listener is not None:
+                linger = self._unregister_idle_waiters()
+                if linger is not None:
+                    sleep = min(sleep, linger)
+            self._timer_sleeps_until = time.time() + sleep
             self._timer_wakeup.wait(sleep)
             self._timer_wakeup.clear()
+            self._timer_sleeps_until = 0.0  # awake: every new deadline will be seen

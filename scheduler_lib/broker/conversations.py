@@ -185,9 +185,9 @@ class ConversationOperations:
             raise exceptions.InvalidArgument("give conversation or group, not both")
         handle = None if conversation is None else checks.handle(conversation)
         group_id = None if group is None else checks.handle(group, "conversation group id")
-        if handle is None and group_id is None:
+        if group_id is None:
             with self._single_statement() as tx:
-                found = tx._receive_fast(queue, top)
+                found = tx._receive_fast(queue, top, handle)
                 if found:
                     tx._received_queues.add(queue)
                     return found
@@ -315,8 +315,9 @@ class ConversationOperations:
             endpoint = tx._endpoint(handle)
             if endpoint.state in (EndpointState.CLOSED, EndpointState.DISCONNECTED_OUTBOUND):
                 raise state_error(endpoint, "set a timer on")
-            tx._execute("endpoint_set_timer", handle=handle, due=time.time() + seconds)
-            tx._timers_changed = True
+            due = time.time() + seconds
+            tx._execute("endpoint_set_timer", handle=handle, due=due)
+            tx._deadline(due)
             tx._wrote = True
 
     def conversation_endpoint(self, conversation_handle: uuid.UUID | str) -> ConversationEndpoint:

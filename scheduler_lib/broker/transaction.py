@@ -63,7 +63,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         self._notified_queues: set[str] = set()  # already NOTIFYed by the statement itself
         self._received_queues: set[str] = set()  # their monitors re-check at our end
         self._receipts: set[str] = set()  # RECEIVE got messages: a rollback is counted
-        self._timers_changed = False
+        self._next_deadline: float | None = None  # soonest timer/lease/park this tx set
         self._catalog_changed = False  # activation runtimes look at the catalog again
         self._in_gate = False
 
@@ -107,7 +107,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         woken = self._touched_queues | self._received_queues
         if self._catalog_changed:
             woken.add(wakeup.CATALOG)
-        self._broker._after_commit(frozenset(woken), self._timers_changed)
+        self._broker._after_commit(frozenset(woken), self._next_deadline)
 
     def rollback(self) -> None:
         """Roll back: nothing this transaction did remains; received messages are back."""
@@ -130,6 +130,23 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         if self._receipts:
             self._broker._count_rollbacks(frozenset(self._receipts))
         self._broker._wakeups.notify(self._received_queues)
+
+    def _deadline(self, when: float) -> None:
+        """This transaction sets something due at ``when`` (a conversation timer, a lease
+        expiry, a parked message's return): the timer thread is woken for it at commit
+        if it would otherwise sleep past it."""
+        if self._next_deadline is None or when < self._next_deadline:
+            self._next_deadline = when
+
+    def _commit_without_flush(self) -> None:
+        """PostgreSQL: this transaction's commit does not wait for the WAL flush (a later
+        durable commit of any session flushes it too). Must come before any write."""
+        if self._wrote:
+            raise exceptions.TransactionError(
+                "a transaction that already wrote cannot give up its durable commit"
+            )
+        if self._store.is_postgresql:
+            self._execute("commit_without_fsync")
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -453,6 +470,10 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
             found = self._receive_fast(queue, top)
             if found:
                 return found
+        elif handle is not None:
+            found = self._receive_fast(queue, top, handle)
+            if found:
+                return found
         info = self._queue(queue)
         if not info.is_receive_enabled:
             raise info.disabled_error()
@@ -493,12 +514,17 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         picked = self._scalar(query, queue=queue.name)
         return None if picked is None else str(picked)
 
-    def _receive_fast(self, queue: str, top: int) -> list[Message]:
-        """RECEIVE in one statement where the dialect has one; ``[]`` also when the queue
-        needs the checked path (unknown, disabled, retention)."""
-        if not self._store.has("receive_fast"):
+    def _receive_fast(self, queue: str, top: int, handle: str | None = None) -> list[Message]:
+        """RECEIVE (of one conversation, with ``handle``) in one statement where the
+        dialect has one; ``[]`` also when the queue needs the checked path (unknown,
+        disabled, retention)."""
+        query = "receive_fast" if handle is None else "receive_fast_conversation"
+        if not self._store.has(query):
             return []
-        rows = self._store.rows(self._conn(), "receive_fast", queue=queue, top=top)
+        params: dict[str, Any] = {"queue": queue, "top": top}
+        if handle is not None:
+            params["handle"] = handle
+        rows = self._store.rows(self._conn(), query, **params)
         if not rows:
             return []
         self._wrote = True

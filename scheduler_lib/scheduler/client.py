@@ -166,30 +166,60 @@ class TaskScheduler:
         self._check_kind(handle.target_service, checked)
         while handle.max_in_flight is not None and handle.in_flight >= handle.max_in_flight:
             handle.ahead.append(self._receive(handle, None))
-        body = checked.to_dict()
+        return self._send(handle, [checked], wave)[0]
+
+    def exec_many(
+        self,
+        handle: SchedulerHandle,
+        tasks: Sequence[Task | Mapping[str, Any]],
+        *,
+        wave: int | None = None,
+    ) -> list[int]:
+        """ExecAsync for several tasks in one transaction (one commit): all are sent or
+        none. Beyond ``max_in_flight`` it raises instead of waiting.
+
+        :return: the tasks' ``log_id``s, in order
+        """
+        checked = [as_task(t, f"task {i}") for i, t in enumerate(tasks, start=1)]
+        for t in checked:
+            self._check_kind(handle.target_service, t)
+        limit = handle.max_in_flight
+        if limit is not None and handle.in_flight + len(checked) > limit:
+            raise InvalidArgument(
+                f"scheduler {handle}: {len(checked)} more tasks would exceed max_in_flight="
+                f"{limit} ({handle.in_flight} in flight)"
+            )
+        return self._send(handle, checked, wave) if checked else []
+
+    def _send(self, handle: SchedulerHandle, tasks: Sequence[Task], wave: int | None) -> list[int]:
+        log_ids = []
         with self.broker.transaction() as tx:
-            log_id = int(
-                tx.fetch_value(
-                    "log_insert",
-                    caller_id=self.caller_id,
-                    handle=str(handle.conversation_handle),
-                    target=handle.target_service,
-                    wave=wave,
-                    name=checked.label[:256],
-                    kind=checked.kind,
-                    body=json.dumps(body),
-                    now=time.time(),
-                    **self.context,
+            for task in tasks:
+                body = task.to_dict()
+                log_id = int(
+                    tx.fetch_value(
+                        "log_insert",
+                        caller_id=self.caller_id,
+                        handle=str(handle.conversation_handle),
+                        target=handle.target_service,
+                        wave=wave,
+                        name=task.label[:256],
+                        kind=task.kind,
+                        body=json.dumps(body),
+                        now=time.time(),
+                        **self.context,
+                    )
                 )
-            )
-            tx.send(
-                handle.conversation_handle,
-                self.names.sent,
-                json.dumps({"log_id": log_id, "task": body, "wave": wave}),
-            )
-        handle.in_flight += 1
-        handle.names[log_id] = checked.label
-        return log_id
+                tx.send(
+                    handle.conversation_handle,
+                    self.names.sent,
+                    json.dumps({"log_id": log_id, "task": body, "wave": wave}),
+                )
+                log_ids.append(log_id)
+        handle.in_flight += len(log_ids)
+        for log_id, task in zip(log_ids, tasks, strict=True):
+            handle.names[log_id] = task.label
+        return log_ids
 
     def synchronization(self, handle: SchedulerHandle, timeout: float | None = None) -> Completion:
         """Synchronization: wait for one of the scheduler's tasks to complete.
@@ -319,9 +349,12 @@ class TaskScheduler:
         stop = False
         limit = handle.max_in_flight
         while pending or outstanding:
-            while pending and not stop and (limit is None or outstanding < limit):
-                self.exec_async(handle, pending.popleft(), wave=index)
-                outstanding += 1
+            room = len(pending) if limit is None else max(0, limit - outstanding)
+            if pending and not stop and room:
+                # What may go now goes in one transaction: one commit, not one per task.
+                batch = [pending.popleft() for _ in range(min(room, len(pending)))]
+                self._send(handle, batch, index)
+                outstanding += len(batch)
             if not outstanding:
                 break
             completion = self.synchronization(handle, timeout)

@@ -87,14 +87,15 @@ class Executor:
         self.semaphores = Semaphores(broker)
         self._targets: tuple[float, dict[str, frozenset[str]]] | None = None
 
-    def serve(self) -> int:
-        """Run tasks until idle for ``idle_timeout`` or the runtime stops.
+    def serve(self, stop: threading.Event | None = None) -> int:
+        """Run tasks until idle for ``idle_timeout``, the activation runtime stops, or
+        ``stop`` is set (for executors run as plain threads).
 
         :return: how many messages were handled
         """
         handled = 0
         idle_since = time.monotonic()
-        while not activation.stopping():
+        while not activation.stopping() and not (stop is not None and stop.is_set()):
             left = self.idle_timeout - (time.monotonic() - idle_since)
             if left <= 0:
                 return handled
@@ -106,11 +107,14 @@ class Executor:
     def run_one(self, timeout: float | None = 0) -> bool:
         """Take one message and deal with it; ``False`` when none came within
         ``timeout``."""
+        # The take holds the scheduler's conversation group until it commits; committing
+        # it without the WAL flush frees the group for the next reader at once. The
+        # durable commit of the start below flushes it before the task runs.
+        leases = self.broker.take(self.queue, timeout=timeout, lease=self.lease, durable=False)
+        if not leases:
+            return False
+        lease = leases[0]
         with self.broker.transaction() as tx:
-            leases = tx.take(self.queue, timeout=timeout, lease=self.lease)
-            if not leases:
-                return False
-            lease = leases[0]
             started = self._start(tx, lease)
         if started is not None:
             log_id, task = started
@@ -274,9 +278,8 @@ def answer(
     conversation; a scheduler that was released meanwhile is not an error."""
     done = _done_type(tx, contract)
     body = json.dumps({"log_id": log_id, "status": status, "error": error, "result": result})
-    try:
-        with tx.savepoint():
-            tx.send(handle, done, body)
+    try:  # these are raised by the broker's own checks: the transaction stays usable
+        tx.send(handle, done, body)
     except (ConversationNotFound, ConversationStateError):
         log.info("task %s ended after its scheduler was released", log_id)
 

@@ -202,3 +202,38 @@ SET send_sequence = send_sequence + 1,
 WHERE conversation_handle = :handle AND state IN ('SO', 'SI', 'CO')
 RETURNING send_sequence - 1 AS message_sequence_number,
     CASE WHEN CAST(:quantum AS DOUBLE PRECISION) IS NULL THEN 0 ELSE fair_clock END AS fair_at;
+
+-- name: receive_fast_conversation
+-- RECEIVE ... WHERE conversation_handle = :handle in one round trip (Synchronization's
+-- receive): lock the conversation's group unless another holds it, take its first :top
+-- messages in sequence order. No row back: nothing there, or the checked path is needed.
+WITH grp AS (
+    SELECT g.conversation_group_id FROM conversation_endpoints e
+    JOIN conversation_groups g ON g.conversation_group_id = e.conversation_group_id
+    WHERE e.conversation_handle = :handle AND e.queue_name = :queue
+    AND EXISTS (
+        SELECT 1 FROM queues q
+        WHERE q.queue_name = :queue AND q.is_receive_enabled AND NOT q.is_retention_enabled
+    )
+    AND EXISTS (
+        SELECT 1 FROM queue_messages m
+        WHERE m.conversation_handle = e.conversation_handle AND m.status = 1
+    )
+    FOR UPDATE OF g SKIP LOCKED
+), picked AS (
+    SELECT m.message_id FROM queue_messages m
+    WHERE m.conversation_handle = :handle AND m.status = 1
+    AND EXISTS (SELECT 1 FROM grp)
+    ORDER BY m.message_sequence_number
+    LIMIT :top
+), taken AS (
+    DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
+    RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
+        m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
+        m.service_name, m.service_contract_name, m.enqueued_at, m.status
+), reset AS (
+    UPDATE queues q SET consecutive_rollbacks = 0
+    WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
+    AND EXISTS (SELECT 1 FROM taken)
+)
+SELECT * FROM taken;
