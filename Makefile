@@ -35,6 +35,8 @@ bench: $(STAMP)
 sql: $(STAMP)
 	$(PY) -m scheduler_lib.cli ddl --dialect postgresql > sql/schema_postgresql.sql
 	$(PY) -m scheduler_lib.cli ddl --dialect sqlite > sql/schema_sqlite.sql
+	$(PY) -m scheduler_lib.cli ddl --dialect postgresql --schema scheduler > sql/scheduler_postgresql.sql
+	$(PY) -m scheduler_lib.cli ddl --dialect sqlite --schema scheduler > sql/scheduler_sqlite.sql
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

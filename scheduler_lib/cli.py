@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from scheduler_lib import __version__
+from scheduler_lib import __version__, scheduler
 from scheduler_lib.broker import Broker, BrokerError, activation, engine, schema
 
 DB_ENV = "SCHEDULER_LIB_DB"  # default for --db
@@ -28,6 +28,41 @@ def _init(args: argparse.Namespace) -> int:
         print(f"{eng.url.render_as_string()}: schema already at revision {after}")
     else:
         print(f"{eng.url.render_as_string()}: schema upgraded from {before or 'empty'} to {after}")
+    if args.scheduler:
+        with Broker(args.db, migrate=False, timers=False) as broker:
+            scheduler.init(broker)
+        print(
+            "scheduler catalog ready: ServiceAsyncInitiator -> ServiceAsyncTarget "
+            "(kinds: sql, python)"
+        )
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run a plan's waves and report; exit 1 when a task failed."""
+    from scheduler_lib.scheduler.plan import load_plan
+    from scheduler_lib.scheduler.reporting import PlanRunner
+
+    plan = load_plan(args.plan)
+    with Broker(args.db) as broker:
+        runner = PlanRunner(
+            broker,
+            plan,
+            policy=args.policy,
+            max_in_flight=args.max_in_flight,
+            target=args.target,
+            serve=args.serve,
+            as_json=args.json,
+        )
+        return runner.run()
+
+
+def _status(args: argparse.Namespace) -> int:
+    """What runs now (execution_status), the recent log and the semaphores."""
+    from scheduler_lib.scheduler.reporting import print_status
+
+    with Broker(args.db, timers=False) as broker:
+        print_status(broker, limit=args.limit, as_json=args.json)
     return 0
 
 
@@ -236,8 +271,19 @@ def _print_table(rows: Sequence[Sequence[str]]) -> None:
 
 
 def _ddl(args: argparse.Namespace) -> int:
-    sys.stdout.write(schema.offline_sql(f"{args.dialect}://"))
+    migrations = scheduler.MIGRATIONS if args.schema == "scheduler" else schema.BROKER
+    sys.stdout.write(schema.offline_sql(f"{args.dialect}://", migrations))
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def _poison_id(text: str) -> int:
@@ -260,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--db",
         default=os.environ.get(DB_ENV, engine.DEFAULT_URL),
         help=f"SQLAlchemy URL (default: ${DB_ENV} or {engine.DEFAULT_URL})",
+    )
+    init.add_argument(
+        "--no-scheduler",
+        dest="scheduler",
+        action="store_false",
+        help="the broker only: not the scheduler's schema and default catalog",
     )
     init.set_defaults(run=_init)
 
@@ -293,8 +345,29 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("ids", nargs="+", type=_poison_id, metavar="ID", help="poison id")
     poison.set_defaults(run=_poison)
 
+    run = commands.add_parser("run", help="run the waves of a plan file (YAML) and report")
+    run.add_argument("plan", help="the plan file")
+    run.add_argument("--db", default=db_default, help="SQLAlchemy URL")
+    run.add_argument("--policy", choices=["fail_fast", "continue"], help="overrides the plan's")
+    run.add_argument("--max-in-flight", type=_positive_int, help="overrides the plan's")
+    run.add_argument("--target", help="target service (overrides the plan's)")
+    run.add_argument(
+        "--serve",
+        action="store_true",
+        help="also run the target's executors in this process while the plan runs",
+    )
+    run.add_argument("--json", action="store_true", help="print the report as JSON")
+    run.set_defaults(run=_run)
+
+    status = commands.add_parser("status", help="what runs now, the recent log, semaphores")
+    status.add_argument("--db", default=db_default, help="SQLAlchemy URL")
+    status.add_argument("--limit", type=_positive_int, default=20, help="recent log rows")
+    status.add_argument("--json", action="store_true", help="print as JSON")
+    status.set_defaults(run=_status)
+
     ddl = commands.add_parser("ddl", help="print the schema's DDL as the migrations create it")
     ddl.add_argument("--dialect", choices=["postgresql", "sqlite"], required=True)
+    ddl.add_argument("--schema", choices=["broker", "scheduler"], default="broker")
     ddl.set_defaults(run=_ddl)
     return parser
 

@@ -33,7 +33,7 @@ def parse(source: str) -> dict[str, str]:
     return queries
 
 
-def _read(package: str, filename: str) -> str:
+def _read(filename: str, package: str = "scheduler_lib.broker") -> str:
     return (importlib.resources.files(package) / "sql" / filename).read_text()
 
 
@@ -45,9 +45,9 @@ def for_dialect(dialect: str, package: str = "scheduler_lib.broker") -> dict[str
     :param dialect: SQLAlchemy dialect name (``sqlite``, ``postgresql``)
     :param package: the package whose ``sql/`` folder holds the files
     """
-    queries = parse(_read(package, "queries.sql"))
+    queries = parse(_read("queries.sql", package))
     try:
-        overrides = parse(_read(package, f"queries_{dialect}.sql"))
+        overrides = parse(_read(f"queries_{dialect}.sql", package))
     except FileNotFoundError:
         overrides = {}
     # A dialect may also add queries of its own (fast paths); callers ask Store.has().

@@ -11,7 +11,7 @@
 Executors run as the target queue's activated readers (``scheduler-lib serve``).
 """
 
-from scheduler_lib.scheduler.catalog import Names, Target, init, prepare
+from scheduler_lib.scheduler.catalog import MIGRATIONS, Names, Target, init, prepare
 from scheduler_lib.scheduler.client import (
     Completion,
     RunReport,
@@ -34,6 +34,7 @@ from scheduler_lib.scheduler.kinds import Task, TaskContext, TaskKind, register_
 from scheduler_lib.scheduler.semaphores import Permit, Semaphores, SemaphoreTimeout
 
 __all__ = [
+    "MIGRATIONS",
     "Completion",
     "Executor",
     "InvalidTask",

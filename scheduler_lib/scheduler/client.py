@@ -331,6 +331,7 @@ class TaskScheduler:
                 f"{sum(len(w.not_sent) for w in reports)} not sent: {listed}",
                 failures,
                 result.completions,
+                result,
             )
         return result
 
@@ -424,6 +425,15 @@ class TaskScheduler:
                 )
             allowed = self._kinds[service] = frozenset(row["allowed_kinds"].split(","))
         return allowed
+
+    def check_task(self, task: Task | Mapping[str, Any], target: str | None = None) -> Task:
+        """The task, checked as ``exec_async`` would before sending it.
+
+        :raises InvalidTask: malformed; :raises UnknownKind, KindNotAllowed: see there
+        """
+        checked = as_task(task)
+        self._check_kind(target or self.target, checked)
+        return checked
 
     def _check_kind(self, service: str, task: Task) -> None:
         allowed = self._allowed(service)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
 
 if TYPE_CHECKING:
-    from scheduler_lib.scheduler.client import Completion
+    from scheduler_lib.scheduler.client import Completion, RunReport
 
 
 class InvalidTask(InvalidArgument):
@@ -46,11 +46,16 @@ class WaveFailed(SchedulerError):
     """
 
     def __init__(
-        self, message: str, failures: Sequence[Completion], completions: Sequence[Completion]
+        self,
+        message: str,
+        failures: Sequence[Completion],
+        completions: Sequence[Completion],
+        report: RunReport | None = None,
     ) -> None:
         super().__init__(message)
         self.failures = list(failures)
         self.completions = list(completions)
+        self.report = report  # wave by wave, with what was not sent
 
 
 class PlanError(InvalidArgument):

@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from scheduler_lib.broker import engine, schema
+from scheduler_lib.scheduler import MIGRATIONS
 
 SQL_DIR = pathlib.Path(__file__).resolve().parents[2] / "sql"
 
@@ -30,7 +31,7 @@ def _reflect(url: str) -> dict[str, Any]:
 
 def _reflect_with(eng: sa.Engine) -> dict[str, Any]:
     inspector = sa.inspect(eng)
-    shape: dict[str, Any] = {}
+    shape: dict[str, Any] = {"views": sorted(inspector.get_view_names())}
     for table in sorted(inspector.get_table_names()):
         shape[table] = {
             "columns": [
@@ -83,22 +84,27 @@ def _apply_script(url: str, script: str) -> None:
             conn.execute(script)  # type: ignore[call-overload]
 
 
+COMPONENTS = {"schema": schema.BROKER, "scheduler": MIGRATIONS}
+
+
+@pytest.mark.parametrize("component", sorted(COMPONENTS))
 @pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
-def test_sql_dir_is_what_the_migrations_emit(dialect: str) -> None:
+def test_sql_dir_is_what_the_migrations_emit(dialect: str, component: str) -> None:
     # Given the reference DDL kept in sql/ for DBAs
-    kept = (SQL_DIR / f"schema_{dialect}.sql").read_text()
+    kept = (SQL_DIR / f"{component}_{dialect}.sql").read_text()
     # When the migrations render their DDL offline
-    emitted = schema.offline_sql(f"{dialect}://")
+    emitted = schema.offline_sql(f"{dialect}://", COMPONENTS[component])
     # Then the two are identical (regenerate with `make sql` after adding a migration)
-    assert kept == emitted, f"sql/schema_{dialect}.sql is stale: run `make sql`"
+    assert kept == emitted, f"sql/{component}_{dialect}.sql is stale: run `make sql`"
 
 
 def test_sql_dir_builds_the_same_schema_as_the_migrations(
     db_url: str, tmp_path: pathlib.Path
 ) -> None:
-    # Given one database migrated through Alembic
+    # Given one database migrated through Alembic (the broker, then the scheduler)
     migrated = engine.create_engine(db_url)
     schema.migrate(migrated)
+    schema.migrate(migrated, migrations=MIGRATIONS)
     migrated.dispose()
     expected = _reflect(db_url)
     # When the reference DDL is applied to a second, empty database of the same kind
@@ -115,7 +121,8 @@ def test_sql_dir_builds_the_same_schema_as_the_migrations(
         )
     dialect = "sqlite" if db_url.startswith("sqlite") else "postgresql"
     try:
-        _apply_script(other_url, (SQL_DIR / f"schema_{dialect}.sql").read_text())
+        for component in ("schema", "scheduler"):
+            _apply_script(other_url, (SQL_DIR / f"{component}_{dialect}.sql").read_text())
         # Then both have the same tables, columns, keys, indexes and checks
         assert _reflect(other_url) == expected
     finally:

@@ -16,7 +16,6 @@ from scheduler_lib.scheduler import Executor, Target, TaskScheduler, init
 
 # The shared fixtures (db_url, broker) and the multi-process helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-pytest_plugins: list[str] = []
 
 
 @pytest.fixture

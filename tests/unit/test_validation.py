@@ -332,3 +332,12 @@ def test_unknown_dialect_gets_the_common_queries() -> None:
     assert {name: str(q) for name, q in loaded.items()} == queries.parse(
         queries._read("queries.sql")
     )
+
+
+def test_the_schedulers_queries_do_not_reuse_broker_names() -> None:
+    # Given the broker's queries and the scheduler's, per dialect
+    for dialect in ("sqlite", "postgresql"):
+        broker = queries.for_dialect(dialect)
+        scheduler = queries.for_dialect(dialect, "scheduler_lib.scheduler")
+        # Then the two sets of names are apart (Store.extend refuses a clash)
+        assert scheduler and not set(scheduler) & set(broker)

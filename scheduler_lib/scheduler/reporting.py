@@ -1,0 +1,288 @@
+"""What the ``run`` and ``status`` commands show: progress while a plan runs, the
+summary table after it, and the execution status (rich tables, or JSON)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from scheduler_lib.broker import Broker, activation
+from scheduler_lib.broker.exceptions import InvalidArgument
+from scheduler_lib.scheduler import catalog
+from scheduler_lib.scheduler.client import Completion, RunReport, TaskScheduler
+from scheduler_lib.scheduler.errors import PlanError, WaveFailed
+from scheduler_lib.scheduler.plan import Plan
+from scheduler_lib.scheduler.semaphores import Semaphores
+
+MONITOR_FRESH = 10.0  # seconds: a queue monitor updated this recently is being served
+
+
+class PlanRunner:
+    """Runs a plan with a progress bar and prints what ran."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        plan: Plan,
+        *,
+        policy: str | None = None,
+        max_in_flight: int | None = None,
+        target: str | None = None,
+        serve: bool = False,
+        as_json: bool = False,
+    ) -> None:
+        self.broker = broker
+        self.plan = plan
+        self.policy = policy or plan.policy
+        self.max_in_flight = max_in_flight or plan.max_in_flight
+        chosen = target or plan.target
+        self.scheduler = TaskScheduler(broker, target=chosen) if chosen else TaskScheduler(broker)
+        self.serve = serve
+        self.as_json = as_json
+        self.out = _console()
+        self.err = Console(stderr=True)
+
+    def run(self) -> int:
+        target = self.scheduler.target
+        for w, (tasks, lines) in enumerate(zip(self.plan.waves, self.plan.lines, strict=True)):
+            for i, (task, line) in enumerate(zip(tasks, lines, strict=True), start=1):
+                try:
+                    self.scheduler.check_task(task)
+                except InvalidArgument as exc:
+                    raise PlanError(
+                        f"{self.plan.path}:{line}: wave {w + 1}, task {i}: {exc}"
+                    ) from None
+        queue = self.scheduler.broker.service(target)["queue_name"]
+        if not self.serve and not _served(self.broker, queue):
+            self.err.print(
+                f"[yellow]nothing seems to serve {queue!r} (no running queue monitor or "
+                "reader): start `scheduler-lib serve` for this database, or pass --serve[/]"
+            )
+        report: RunReport | None
+        error: WaveFailed | None = None
+        with self._executors(), self._progress() as advance:
+            try:
+                report = self.scheduler.run_waves(
+                    self.plan.waves,
+                    policy=self.policy,
+                    max_in_flight=self.max_in_flight,
+                    timeout=self.plan.timeout,
+                    on_completion=advance,
+                )
+            except WaveFailed as failed:
+                error, report = failed, failed.report
+        assert report is not None
+        rows = self._rows(report)
+        if self.as_json:
+            self.out.print_json(json.dumps(_json_report(report, rows, self.plan)))
+        else:
+            self.out.print(_summary(rows, self.plan))
+            verdict = "all tasks succeeded" if report.ok else _verdict(report)
+            took = report.ended_at - report.started_at
+            colour = "green" if report.ok else "red"
+            self.out.print(f"[{colour}]{verdict}[/] in {took:.2f} s")
+            if error is not None:
+                self.err.print(f"[red]stopped (fail_fast):[/] {error}")
+        return 0 if report.ok else 1
+
+    @contextlib.contextmanager
+    def _executors(self) -> Iterator[None]:
+        if not self.serve:
+            yield
+            return
+        with activation.running(self.broker, empty_grace=0.2, check_interval=0.5):
+            yield
+
+    @contextlib.contextmanager
+    def _progress(self) -> Iterator[Any]:
+        total = self.plan.task_count
+        waves = len(self.plan.waves)
+        progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.err,
+            disable=not self.err.is_terminal,
+        )
+        bar = progress.add_task(f"wave 1/{waves}", total=total)
+        done: dict[int, int] = {}
+
+        def advance(wave: int, completion: Completion) -> None:
+            done[wave] = done.get(wave, 0) + 1
+            progress.update(bar, advance=1, description=f"wave {wave + 1}/{waves}")
+            if not self.err.is_terminal and done[wave] == len(self.plan.waves[wave]):
+                self.err.print(f"wave {wave + 1}/{waves} done", highlight=False)
+
+        with progress:
+            yield advance
+
+    def _rows(self, report: RunReport) -> list[Mapping[str, Any]]:
+        with self.broker.transaction() as tx:
+            return tx.fetch("log_of_scheduler", handle=str(report.scheduler_handle))
+
+
+def _console() -> Console:
+    """Standard output; wide when it is not a terminal, so logs and pipes get whole rows."""
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def _served(broker: Broker, queue: str) -> bool:
+    now = time.time()
+    if any(t["queue_name"] == queue for t in broker.activated_tasks()):
+        return True
+    return any(
+        m["queue_name"] == queue and now - float(m["updated_at"]) < MONITOR_FRESH
+        for m in broker.queue_monitors()
+    )
+
+
+def _verdict(report: RunReport) -> str:
+    statuses = [c.status for c in report.completions]
+    not_sent = sum(len(w.not_sent) for w in report.waves)
+    return (
+        f"{statuses.count('FAILED')} failed, {statuses.count('CANCELLED')} cancelled, "
+        f"{not_sent} not sent, {statuses.count('SUCCEEDED')} succeeded"
+    )
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return time.strftime("%H:%M:%S", time.localtime(seconds)) + f".{int(seconds * 1000) % 1000:03d}"
+
+
+def _summary(rows: Sequence[Mapping[str, Any]], plan: Plan) -> Table:
+    table = Table(title=f"execution_log of {plan.path}")
+    for column in ("wave", "log id", "task", "status", "worker", "started", "seconds", "error"):
+        table.add_column(column, overflow="fold")
+    styles = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}
+    for r in rows:
+        wave = r["wave"]
+        name = plan.wave_names[wave] if wave is not None and wave < len(plan.wave_names) else None
+        seconds = (
+            f"{r['end_time'] - r['start_time']:.2f}"
+            if r["end_time"] is not None and r["attempts"]
+            else "-"
+        )
+        table.add_row(
+            "-" if wave is None else f"{wave + 1}" + (f" {name}" if name else ""),
+            str(r["log_id"]),
+            r["task_name"],
+            f"[{styles.get(r['status'], 'white')}]{r['status']}[/]",
+            r["worker_id"] or "-",
+            _clock(r["start_time"] if r["attempts"] else None),
+            seconds,
+            (r["error"] or "").splitlines()[0][:80] if r["error"] else "",
+        )
+    return table
+
+
+def _json_report(
+    report: RunReport, rows: Sequence[Mapping[str, Any]], plan: Plan
+) -> dict[str, Any]:
+    return {
+        "plan": plan.path,
+        "ok": report.ok,
+        "scheduler_handle": str(report.scheduler_handle),
+        "started_at": report.started_at,
+        "ended_at": report.ended_at,
+        "not_sent": [[t.to_dict() for t in w.not_sent] for w in report.waves],
+        "tasks": [dict(r) for r in rows],
+    }
+
+
+def print_status(broker: Broker, *, limit: int = 20, as_json: bool = False) -> None:
+    """The execution_status view, the most recent log rows and the semaphores."""
+    catalog.prepare(broker)
+    with broker.transaction() as tx:
+        running = tx.fetch("status_list")
+        recent = tx.fetch("log_recent", limit=limit)
+    semaphores = Semaphores(broker).status()
+    if as_json:
+        sys.stdout.write(
+            json.dumps(
+                {
+                    "execution_status": [dict(r) for r in running],
+                    "recent": [dict(r) for r in recent],
+                    "semaphores": [dict(r) for r in semaphores],
+                },
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
+        return
+    out = _console()
+    now_running = Table(title="execution status: activated readers and what they run")
+    for column in (
+        "reader",
+        "queue",
+        "host",
+        "pid",
+        "log id",
+        "task",
+        "status",
+        "since",
+        "dag / run / task",
+    ):
+        now_running.add_column(column, overflow="fold")
+    for r in running:
+        airflow = " / ".join(str(r[k]) for k in ("dag_id", "run_id", "task_id") if r[k])
+        now_running.add_row(
+            r["reader_name"],
+            r["queue_name"],
+            r["host_name"],
+            str(r["process_id"]),
+            "-" if r["log_id"] is None else str(r["log_id"]),
+            r["task_name"] or "(idle)",
+            r["status"] or "-",
+            _clock(r["start_time"]),
+            airflow or "-",
+        )
+    out.print(now_running)
+    log = Table(title=f"execution_log: the last {limit}")
+    for column in (
+        "log id",
+        "scheduler",
+        "wave",
+        "task",
+        "status",
+        "worker",
+        "started",
+        "seconds",
+        "error",
+    ):
+        log.add_column(column, overflow="fold")
+    for r in recent:
+        seconds = (
+            f"{r['end_time'] - r['start_time']:.2f}" if r["end_time"] and r["attempts"] else "-"
+        )
+        log.add_row(
+            str(r["log_id"]),
+            str(r["scheduler_handle"])[:8],
+            "-" if r["wave"] is None else str(r["wave"] + 1),
+            r["task_name"],
+            r["status"],
+            r["worker_id"] or "-",
+            _clock(r["start_time"]),
+            seconds,
+            (r["error"] or "").splitlines()[0][:60] if r["error"] else "",
+        )
+    out.print(log)
+    if semaphores:
+        table = Table(title="semaphores")
+        for column in ("semaphore", "permits", "held"):
+            table.add_column(column)
+        for r in semaphores:
+            table.add_row(r["semaphore_name"], str(r["permits"]), str(r["held"]))
+        out.print(table)
