@@ -66,6 +66,8 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
             self._autocommit_engine = engines.create_engine(
                 url, isolation_level="AUTOCOMMIT", **(engine_options or {})
             )
+        self._async_engine: sa.Engine | None = None  # commits without the WAL flush
+        self._async_engine_lock = threading.Lock()
         self.max_message_size = max_message_size
         # Message type -> validation, for SEND's fast path; the statement re-checks the
         # validation in the database, so a stale entry costs a slow path, never a wrong send.
@@ -92,6 +94,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
         self._waiting_noted: dict[str, float] = {}
         self._empty_stamp_lock = threading.Lock()
         self._closed = threading.Event()
+        self._lease_keeper: poison.LeaseKeeper | None = None
         self._timer_wakeup = threading.Event()
         self._timer_sleeps_until = 0.0  # epoch seconds: when the timer thread looks next
         self._timer_thread: threading.Thread | None = None
@@ -105,6 +108,41 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
         """Bring a layer's own schema (its migrations, its version table) up to date on
         this broker's database. Idempotent."""
         schema.migrate(self._engine, migrations=migrations)
+
+    def run(self, query: str, /, **params: Any) -> int:
+        """Run one named statement (of :meth:`use_queries`) in a transaction of its own —
+        on PostgreSQL in autocommit, one round trip; how many rows it changed."""
+        with self._single_statement() as tx:
+            return tx.run(query, **params)
+
+    def _take_fast(self, queue: str, top: int, duration: float, holder: str) -> list[Lease] | None:
+        """:meth:`take` with ``durable=False`` in one round trip, where the dialect can:
+        the leases, ``[]`` when nothing was there, ``None`` when it cannot."""
+        if not self._store.has("take_fast"):
+            return None
+        if self._async_engine is None:
+            with self._async_engine_lock:
+                if self._async_engine is None:
+                    self._async_engine = engines.create_engine(
+                        self._engine.url,
+                        isolation_level="AUTOCOMMIT",
+                        connect_args={"options": "-c synchronous_commit=off"},
+                    )
+        now = time.time()
+        with self._async_engine.connect() as conn:
+            rows = self._store.rows(
+                conn,
+                "take_fast",
+                queue=queue,
+                top=top,
+                worker=holder,
+                now=now,
+                expires_at=now + duration,
+            )
+        leases = [poison.lease_from_row(row, holder, duration, now + duration) for row in rows]
+        if leases:  # its monitor looks again; the timer thread learns the expiry
+            self._after_commit(frozenset({queue}), now + duration)
+        return leases
 
     def use_queries(self, package: str) -> None:
         """Let transactions run the named queries of ``package`` (its ``sql/queries.sql``
@@ -155,9 +193,13 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
             self._listener.stop()
         if self._watcher is not None:
             self._watcher.stop()
+        if self._lease_keeper is not None:
+            self._lease_keeper.stop()
         self._engine.dispose()
         if self._autocommit_engine is not None:
             self._autocommit_engine.dispose()
+        if self._async_engine is not None:
+            self._async_engine.dispose()
 
     def __enter__(self) -> Broker:
         return self
@@ -197,7 +239,10 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
         :param interval: seconds between renewals; default a third of the shortest lease
         :return: a context manager whose target maps lease ids found lost to their error
         """
-        return poison.keep_alive(self, leases, interval)
+        with self._async_engine_lock:
+            if self._lease_keeper is None:
+                self._lease_keeper = poison.LeaseKeeper(self)
+        return self._lease_keeper.holding(leases, interval)
 
     def _note_blocked_receiver(self, queue: str) -> None:
         """SQLite: a receiver that must queue for the write gate is waiting in RECEIVE

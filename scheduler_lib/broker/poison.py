@@ -41,6 +41,7 @@ from scheduler_lib.broker import events, exceptions
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.activation import resolve
 from scheduler_lib.broker.models import (
+    MESSAGE_COLUMNS,
     ConversationEndpoint,
     EndpointState,
     Message,
@@ -523,7 +524,13 @@ class PoisonOperations:
         duration = checks.timeout(lease, "lease")
         if not duration:
             raise exceptions.InvalidArgument("a lease needs a duration greater than 0 seconds")
+        wait = checks.timeout(timeout)
         holder = worker or worker_name()
+        fast = getattr(self, "_take_waiting", None)  # a broker's own transaction only
+        if not durable and fast is not None:
+            taken = fast(queue, checks.positive_int(top, "top"), duration, holder, wait)
+            if taken is not None:
+                return list(taken)
         with self._operation() as tx:
             if not durable:
                 tx._commit_without_flush()
@@ -602,6 +609,13 @@ class PoisonOperations:
                 {k: v for k, v in r.items() if k != "message_body"}
                 for r in tx._all("lease_list", queue=queue)
             ]
+
+
+def lease_from_row(row: Sequence[Any], worker: str, duration: float, expires_at: float) -> Lease:
+    """A lease from ``take_fast``'s row: the lease id, then the message's columns."""
+    lease_id, *message = row
+    columns = dict(zip(MESSAGE_COLUMNS[:-1], message, strict=True))
+    return Lease(str(lease_id), _message(columns), worker, duration, expires_at)
 
 
 def _lost(lease: Lease) -> exceptions.LeaseLost:
@@ -1046,38 +1060,66 @@ class PoisonDetector:
 # --- keeping leases alive ---------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def keep_alive(
-    broker: Broker, leases: Sequence[Lease], interval: float | None = None
-) -> Iterator[dict[str, exceptions.LeaseLost]]:
-    """Renew ``leases`` in the background while the block runs (the worker's heartbeat).
+class LeaseKeeper:
+    """One thread per broker that renews the leases its workers hold (their heartbeat):
+    each at a third of its duration, or at the interval a holder asked for. Workers
+    register leases for the duration of a ``with`` block; a lease found lost is reported
+    to its holder and no longer renewed."""
 
-    :param interval: seconds between renewals; default a third of the shortest lease
-    :return: (as the ``with`` target) leases found lost while renewing, by lease id
-    """
-    lost: dict[str, exceptions.LeaseLost] = {}
-    if not leases:
-        yield lost
-        return
-    every = interval if interval is not None else min(lease.duration for lease in leases) / 3
-    stop = threading.Event()
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self._held: dict[str, tuple[Lease, float, dict[str, exceptions.LeaseLost]]] = {}
+        self._due: dict[str, float] = {}  # lease id -> monotonic time of its next renewal
+        self._changed = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
 
-    def beat() -> None:
-        while not stop.wait(every):
+    @contextlib.contextmanager
+    def holding(
+        self, leases: Sequence[Lease], interval: float | None = None
+    ) -> Iterator[dict[str, exceptions.LeaseLost]]:
+        lost: dict[str, exceptions.LeaseLost] = {}
+        now = time.monotonic()
+        with self._changed:
             for lease in leases:
-                if lease.lease_id in lost:
+                every = interval if interval is not None else lease.duration / 3
+                self._held[lease.lease_id] = (lease, every, lost)
+                self._due[lease.lease_id] = now + every
+            self._changed.notify()
+        try:
+            yield lost
+        finally:
+            with self._changed:
+                for lease in leases:
+                    self._held.pop(lease.lease_id, None)
+                    self._due.pop(lease.lease_id, None)
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                due = [self._held[i] for i, t in self._due.items() if t <= now]
+                for lease, every, _ in due:
+                    self._due[lease.lease_id] = now + every
+                if not due:
+                    soonest = min(self._due.values(), default=now + 1.0)
+                    self._changed.wait(max(0.0, soonest - now))
                     continue
+            for lease, _, lost in due:
                 try:
-                    broker.renew(lease)
+                    self.broker.renew(lease)
                 except exceptions.LeaseLost as exc:
                     lost[lease.lease_id] = exc
-                except Exception:  # a passing database error: try again next beat
+                    with self._changed:
+                        self._due.pop(lease.lease_id, None)
+                except Exception:  # a passing database error: try again next time
                     log.warning("renewing lease %s failed", lease.lease_id, exc_info=True)
-
-    thread = threading.Thread(target=beat, name="lease-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield lost
-    finally:
-        stop.set()
-        thread.join()

@@ -477,6 +477,13 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         info = self._queue(queue)
         if not info.is_receive_enabled:
             raise info.disabled_error()
+        fast_ran = self._store.has("receive_fast") and group_id is None
+        if (
+            fast_ran
+            and not info.is_retention_enabled
+            and (handle is not None or info.receive_aging_seconds is None)
+        ):
+            return []  # the one-statement RECEIVE covers this queue: nothing is there
         if handle is not None:
             locked = self._scalar("receive_lock_conversation", queue=queue, handle=handle)
             if locked is None:

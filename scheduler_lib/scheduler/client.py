@@ -70,6 +70,7 @@ class SchedulerHandle:
     max_in_flight: int | None = None
     in_flight: int = 0
     ahead: collections.deque[Completion] = dataclasses.field(default_factory=collections.deque)
+    ended: SchedulerEnded | None = None  # the conversation ended; raised when ahead is empty
     names: dict[int, str] = dataclasses.field(default_factory=dict)  # log id -> task label
 
     def __str__(self) -> str:
@@ -380,8 +381,12 @@ class TaskScheduler:
     # --- internals -------------------------------------------------------------------
 
     def _receive(self, handle: SchedulerHandle, timeout: float | None) -> Completion:
+        if handle.ended is not None:
+            raise handle.ended
+        # Every completion already there in one RECEIVE; the others wait in ``ahead``.
         messages = self.broker.receive(
             self.names.initiator_queue,
+            top=max(1, handle.in_flight),
             timeout=timeout,
             conversation=handle.conversation_handle,
         )
@@ -390,7 +395,20 @@ class TaskScheduler:
                 f"scheduler {handle}: no task completed within {timeout} s "
                 f"({handle.in_flight} in flight)"
             )
-        message = messages[0]
+        completions = []
+        for message in messages:
+            try:
+                completions.append(self._completion(handle, message))
+            except SchedulerEnded as ended:
+                handle.ended = ended  # raised once the completions before it are taken
+                break
+        if not completions:
+            assert handle.ended is not None
+            raise handle.ended
+        handle.ahead.extend(completions[1:])
+        return completions[0]
+
+    def _completion(self, handle: SchedulerHandle, message: Any) -> Completion:
         if message.message_type_name in (END_DIALOG, ERROR):
             with contextlib.suppress(ConversationNotFound, ConversationStateError):
                 self.broker.end_conversation(handle.conversation_handle)

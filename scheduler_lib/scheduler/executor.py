@@ -1,9 +1,9 @@
 """The executor: the target queue's activation procedure (the blog's
 ``ActivationAsyncTarget``).
 
-Each task is taken in a short transaction under a lease, together with its
-``execution_log`` start (who and when); it runs with no transaction open while the lease
-is renewed; its end, status, error and result are written in the transaction that
+Each task is taken under a lease in one short statement, then its ``execution_log``
+start (who and when) is committed durably; it runs with no transaction open while the
+lease is renewed; its end, status, error and result are written in the transaction that
 answers ``AsyncDone`` and completes the lease. Errors are results: a task that raises
 answers ``FAILED`` with the error. A worker that dies mid-task stops renewing its lease;
 the queue's poison policy (set by ``init``) runs it again or fails it, and
@@ -29,6 +29,7 @@ from scheduler_lib.broker import (
     Broker,
     ConversationNotFound,
     ConversationStateError,
+    DatabaseError,
     LeaseLost,
     SentBy,
     Transaction,
@@ -107,15 +108,15 @@ class Executor:
     def run_one(self, timeout: float | None = 0) -> bool:
         """Take one message and deal with it; ``False`` when none came within
         ``timeout``."""
-        # The take holds the scheduler's conversation group until it commits; committing
-        # it without the WAL flush frees the group for the next reader at once. The
-        # durable commit of the start below flushes it before the task runs.
+        # The take holds the scheduler's conversation group only while it commits, and
+        # commits without waiting for the WAL flush, so the group is free for the next
+        # reader at once; the durable commit of the task's start flushes it before the
+        # task runs (a crash before that puts the message back: nothing ran).
         leases = self.broker.take(self.queue, timeout=timeout, lease=self.lease, durable=False)
         if not leases:
             return False
         lease = leases[0]
-        with self.broker.transaction() as tx:
-            started = self._start(tx, lease)
+        started = self._start(lease)
         if started is not None:
             log_id, task = started
             self._run(lease, log_id, task)
@@ -123,61 +124,65 @@ class Executor:
 
     # --- starting --------------------------------------------------------------------
 
-    def _start(self, tx: Transaction, lease: Lease) -> tuple[int, Task] | None:
-        """In the taking transaction: end dialogs, refuse what cannot run, record the
-        start. Returns what to run, or ``None`` when it was dealt with here."""
+    def _start(self, lease: Lease) -> tuple[int, Task] | None:
+        """End dialogs, refuse what cannot run, record the start (durably). Returns what
+        to run, or ``None`` when it was dealt with here."""
         message = lease.message
         handle = message.conversation_handle
         if message.message_type_name in (END_DIALOG, ERROR):
             # The scheduler was released (or failed): end our side, as the blog does
             # (after the lease: ending the conversation removes its leases).
-            tx.complete(lease)
-            with contextlib.suppress(ConversationNotFound, ConversationStateError):
-                tx.end_conversation(handle)
+            with self.broker.transaction() as tx:
+                tx.complete(lease)
+                with contextlib.suppress(ConversationNotFound, ConversationStateError):
+                    tx.end_conversation(handle)
             return None
-        now = time.time()
         log_id: int | None = None
         try:
             payload = message.json()
             log_id = int(payload["log_id"])
             task = as_task(payload["task"], f"task {log_id}")
             get_kind(task.kind)
-            allowed = self._allowed(tx, message.service_name)
+            allowed = self._allowed(message.service_name)
             if task.kind not in allowed:
                 raise KindNotAllowed(
                     f"task {log_id}: target service {message.service_name!r} does not run "
                     f"{task.kind!r} tasks (it runs {sorted(allowed)})"
                 )
+        except DatabaseError:
+            raise  # not the task's fault: its lease expires and it is tried again
         except Exception as exc:  # a task that cannot run is a failed result
             error = _error(exc)
             log.warning("refusing a task from %s: %s", handle, error)
-            if log_id is not None:
-                tx.run("log_fail", log_id=log_id, error=error, now=now)
-            self._answer(tx, message, log_id, FAILED, error, None)
-            tx.complete(lease)
+            with self.broker.transaction() as tx:
+                if log_id is not None:
+                    tx.run("log_fail", log_id=log_id, error=error, now=time.time())
+                self._answer(tx, message, log_id, FAILED, error, None)
+                tx.complete(lease)
             return None
-        if not tx.run(
+        started = self.broker.run(
             "log_start",
             log_id=log_id,
             worker=worker_id(),
             activated_task_id=activation.current_reader(),
-            now=now,
-        ):
-            # Cancelled (fail fast) before it started: say so, run nothing.
-            row = tx.fetch_one("log_get", log_id=log_id)
-            status = row["status"] if row is not None else CANCELLED
-            error = row["error"] if row is not None else "the task's log row is gone"
-            self._answer(tx, message, log_id, status, error, None)
-            tx.complete(lease)
+            now=time.time(),
+        )
+        if not started:
+            # Cancelled (fail fast, release) before it started: say so, run nothing.
+            with self.broker.transaction() as tx:
+                row = tx.fetch_one("log_get", log_id=log_id)
+                status = row["status"] if row is not None else CANCELLED
+                error = row["error"] if row is not None else "the task's log row is gone"
+                self._answer(tx, message, log_id, status, error, None)
+                tx.complete(lease)
             return None
         return log_id, task
 
-    def _allowed(self, tx: Transaction, service: str) -> frozenset[str]:
+    def _allowed(self, service: str) -> frozenset[str]:
         now = time.monotonic()
         if self._targets is None or now - self._targets[0] > TARGETS_REFRESH:
-            # In the caller's transaction: a second one of this thread would wait for the
-            # first's write lock on SQLite.
-            rows = tx.fetch("target_list")
+            with self.broker.transaction() as tx:
+                rows = tx.fetch("target_list")
             self._targets = (
                 now,
                 {r["service_name"]: frozenset(r["allowed_kinds"].split(",")) for r in rows},
@@ -214,26 +219,27 @@ class Executor:
                 status = SUCCEEDED
             except Exception as exc:  # errors are results
                 status, error = FAILED, _error(exc, with_traceback=True)
-        if lost:
-            log.warning("task %s lost its lease while it ran; its result is dropped", log_id)
-            return
         encoded = _result(result)
+        finish = {
+            "log_id": log_id,
+            "status": status,
+            "error": error,
+            "result": encoded,
+            "worker": worker_id(),
+        }
         try:
+            if lost:
+                raise next(iter(lost.values()))
             with self.broker.transaction() as tx:
-                tx.run(
-                    "log_finish",
-                    log_id=log_id,
-                    status=status,
-                    error=error,
-                    result=encoded,
-                    now=time.time(),
-                )
+                tx.run("log_finish", now=time.time(), **finish)
                 self._answer(tx, lease.message, log_id, status, error, encoded)
                 tx.complete(lease)
         except LeaseLost:
-            # It expired just now: the poison policy retried or failed it already, and
-            # told the caller; this answer must not be a second one.
-            log.warning("task %s finished after its lease expired; result dropped", log_id)
+            # It expired meanwhile (the poison policy retried or failed it and told the
+            # caller), or its scheduler was released and ended: no second answer. The row
+            # still says how this run ended, unless another worker has it by now.
+            log.warning("task %s finished after it lost its lease; no answer sent", log_id)
+            self.broker.run("log_finish", now=time.time(), **finish)
 
     @contextlib.contextmanager
     def _permit(self, task: Task) -> Iterator[None]:

@@ -237,3 +237,48 @@ WITH grp AS (
     AND EXISTS (SELECT 1 FROM taken)
 )
 SELECT * FROM taken;
+
+-- name: take_fast
+-- RECEIVE for long work in one round trip: take the first :top messages of the first
+-- group nobody holds (as receive_fast) and put them under leases. Run in autocommit on a
+-- connection whose commits do not wait for the WAL flush (Broker.take(durable=False)).
+WITH grp AS (
+    SELECT g.conversation_group_id FROM queue_messages m
+    JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
+    WHERE m.queue_name = :queue AND m.status = 1
+    AND EXISTS (
+        SELECT 1 FROM queues q
+        WHERE q.queue_name = :queue AND q.is_receive_enabled AND NOT q.is_retention_enabled
+        AND q.receive_aging_seconds IS NULL
+    )
+    ORDER BY m.priority DESC, m.fair_at, m.message_id
+    LIMIT 1
+    FOR UPDATE OF g SKIP LOCKED
+), picked AS (
+    SELECT m.message_id FROM queue_messages m
+    WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
+    ORDER BY m.priority DESC, m.conversation_handle, m.message_sequence_number
+    LIMIT :top
+), taken AS (
+    DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
+    RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
+        m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
+        m.service_name, m.service_contract_name, m.enqueued_at
+), reset AS (
+    UPDATE queues q SET consecutive_rollbacks = 0
+    WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
+    AND EXISTS (SELECT 1 FROM taken)
+)
+INSERT INTO message_leases (
+    lease_id, queue_name, conversation_group_id, conversation_handle,
+    message_sequence_number, message_type_name, message_body, priority, service_name,
+    service_contract_name, enqueued_at, worker, taken_at, heartbeat_at, expires_at
+)
+SELECT gen_random_uuid()::text, t.queue_name, t.conversation_group_id,
+    t.conversation_handle, t.message_sequence_number, t.message_type_name, t.message_body,
+    t.priority, t.service_name, t.service_contract_name, t.enqueued_at, :worker, :now, :now,
+    :expires_at
+FROM taken t
+RETURNING lease_id, queue_name, conversation_group_id, conversation_handle,
+    message_sequence_number, message_type_name, message_body, priority, service_name,
+    service_contract_name, enqueued_at;

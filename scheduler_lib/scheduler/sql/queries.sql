@@ -46,7 +46,7 @@ WHERE log_id = :log_id;
 -- The task ended: when, how, and what it returned or raised.
 UPDATE execution_log
 SET status = :status, end_time = :now, error = :error, result = :result
-WHERE log_id = :log_id AND status = 'RUNNING';
+WHERE log_id = :log_id AND status = 'RUNNING' AND worker_id = :worker;
 
 -- name: log_fail
 -- A task whose worker went silent (or that could not start) ended in failure.
