@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) -m bench.broker_throughput
 	$(PY) -m bench.priority_throughput
 	$(PY) -m bench.activation_latency
+	$(PY) -m bench.scheduler_loop
 
 ## Regenerate the reference DDL in sql/ from the migrations.
 sql: $(STAMP)

@@ -209,7 +209,7 @@ class CatalogOperations:
             higher priority levels (oldest first); ``None`` (the default) turns aging off
         :param fair_share: serve conversations in turn rather than in arrival order: each
             message costs its conversation this many seconds of virtual time, so bursts
-            of several conversations interleave (see docs/broker.md); ``None`` (the
+            of several conversations interleave (docs/broker.md, "Fair share"); ``None`` (the
             default) keeps arrival order
         :raises AlreadyExists: if the name is taken
         """

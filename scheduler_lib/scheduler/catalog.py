@@ -143,15 +143,21 @@ def init(broker: Broker, names: Names = Names(), targets: Sequence[Target] = (Ta
                 dispositions=(Notify(event=False, callback=LOST_TASK_CALLBACK),),
             ),
         )
-        with broker.transaction() as tx:
-            tx.run("target_delete", service=target.service)
-            tx.run(
-                "target_insert",
-                service=target.service,
-                queue=target.queue,
-                kinds=",".join(dict.fromkeys(target.kinds)),
-                now=time.time(),
-            )
+        for attempt in range(3):  # another init may write the same row at the same time
+            try:
+                with broker.transaction() as tx:
+                    tx.run("target_delete", service=target.service)
+                    tx.run(
+                        "target_insert",
+                        service=target.service,
+                        queue=target.queue,
+                        kinds=",".join(dict.fromkeys(target.kinds)),
+                        now=time.time(),
+                    )
+                break
+            except AlreadyExists:
+                if attempt == 2:
+                    raise
 
 
 def _tolerate_race(create: Callable[[], object]) -> None:

@@ -234,8 +234,12 @@ class TaskScheduler:
         return self._receive(handle, timeout)
 
     def release_scheduler(self, handle: SchedulerHandle) -> None:
-        """ReleaseScheduler: end the conversation. Never fails because it is already
-        gone (the blog's "evil DBA" case)."""
+        """ReleaseScheduler: end the conversation. Its tasks that have not started are
+        cancelled (they will not run); tasks running now finish and their rows say how.
+        Never fails because the conversation is already gone (the blog's "evil DBA"
+        case)."""
+        if handle.in_flight:
+            self.cancel_queued(handle, "cancelled: the scheduler was released")
         with contextlib.suppress(ConversationNotFound, ConversationStateError):
             self.broker.end_conversation(handle.conversation_handle)
 

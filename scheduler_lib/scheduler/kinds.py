@@ -114,7 +114,9 @@ class TaskContext:
     log_id: int
     task: Task
     sql_url: str  # where ``sql`` tasks run
-    cancelled: threading.Event  # set when the task should stop (fail fast, release)
+    # For kinds that can stop early: set when the task should stop. Nothing sets it for
+    # the built-in sql and python kinds yet (fail fast cancels queued tasks only).
+    cancelled: threading.Event
     record_spark: Callable[[str | None, str | None], None]  # (application id, job group)
 
 
@@ -151,7 +153,7 @@ def get_kind(name: str) -> TaskKind:
     if kind is None:
         raise UnknownKind(
             f"unknown task kind {name!r}; this process knows {sorted(KINDS)}",
-            hint="the Spark kinds come with `scheduler-lib worker`",
+            hint="a kind is known once its module called register_kind in this process",
         )
     return kind
 
