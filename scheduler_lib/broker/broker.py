@@ -115,6 +115,41 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
         with self._single_statement() as tx:
             return tx.run(query, **params)
 
+    def _take_waiting(
+        self, queue: str, top: int, duration: float, holder: str, timeout: float | None
+    ) -> list[Lease] | None:
+        """:meth:`_take_fast` with WAITFOR: tries again whenever the queue may have got
+        messages, until ``timeout``; ``None`` when the dialect cannot."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        registered = False
+        checked = False
+        try:
+            while True:
+                seen = self._wakeups.generation(queue)
+                leases = self._take_fast(queue, top, duration, holder)
+                if leases is None or leases:
+                    return leases
+                if not checked:
+                    info = self.queue(queue)  # unknown or off: say so, as RECEIVE does
+                    if not info.is_receive_enabled:
+                        raise info.disabled_error()
+                    checked = True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return []
+                self._record_empty_receive(queue)
+                if self._listener is not None and not registered:
+                    # Look once more after registering: a message sent meanwhile sent no
+                    # NOTIFY.
+                    self._set_waiting(queue, +1)
+                    registered = True
+                    continue
+                poll = wakeup.POSTGRESQL_POLL_INTERVAL
+                self._wakeups.wait(queue, seen, poll if remaining is None else min(poll, remaining))
+        finally:
+            if registered:
+                self._set_waiting(queue, -1)
+
     def _take_fast(self, queue: str, top: int, duration: float, holder: str) -> list[Lease] | None:
         """:meth:`take` with ``durable=False`` in one round trip, where the dialect can:
         the leases, ``[]`` when nothing was there, ``None`` when it cannot."""
