@@ -276,24 +276,18 @@ def _ddl(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, what: str = "expected an integer >= 1") -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
     return value
 
 
 def _poison_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a poison id is a positive integer, got {text!r}")
-    return value
+    return _positive_int(text, "a poison id is a positive integer")
 
 
 def build_parser() -> argparse.ArgumentParser:

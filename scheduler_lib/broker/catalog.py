@@ -676,18 +676,13 @@ def _queue_settings(**settings: Any) -> dict[str, Any]:
         raise exceptions.InvalidArgument(
             f"activation_procedure must be a dotted path or None, got {procedure!r}"
         )
-    aging = settings["receive_aging"]
-    if aging is not None:
-        aging = checks.timeout(aging, "receive_aging")
-        if aging == 0:
-            raise exceptions.InvalidArgument("receive_aging must be greater than 0 (or None: off)")
-        settings["receive_aging"] = aging
-    quantum = settings["fair_share"]
-    if quantum is not None:
-        quantum = checks.timeout(quantum, "fair_share")
-        if quantum == 0:
-            raise exceptions.InvalidArgument("fair_share must be greater than 0 (or None: off)")
-        settings["fair_share"] = quantum
+    for option in ("receive_aging", "fair_share"):  # seconds > 0, or None: off
+        seconds = settings[option]
+        if seconds is not None:
+            seconds = checks.timeout(seconds, option)
+            if seconds == 0:
+                raise exceptions.InvalidArgument(f"{option} must be greater than 0 (or None: off)")
+            settings[option] = seconds
     if settings["activation_status"] and not procedure:
         raise exceptions.InvalidArgument("activation needs an activation_procedure")
     return settings
