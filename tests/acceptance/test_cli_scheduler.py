@@ -132,3 +132,28 @@ def test_an_unknown_kind_in_a_plan_is_refused_before_sending(
     assert "unknown task kind 'teleport'" in result.stderr
     with Broker(initialised, migrate=False, timers=False) as broker:
         assert broker.conversation_endpoints() == []
+
+
+def test_command_line_options_override_the_plan(initialised: str, tmp_path: Path) -> None:
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(FAILING)  # fail_fast by default
+    result = _cli(
+        "run",
+        str(plan),
+        "--db",
+        initialised,
+        "--serve",
+        "--policy",
+        "continue",
+        "--max-in-flight",
+        "1",
+        "--target",
+        "ServiceAsyncTarget",
+    )
+    # continue: the second wave ran although the first failed
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "never-sent" in result.stdout and "1 failed" in result.stdout
+    status = _cli("status", "--db", initialised, "--limit", "5")
+    assert status.returncode == 0, status.stderr
+    assert "execution_log: the last 5" in status.stdout
+    assert "never-sent" in status.stdout and "broken" in status.stdout

@@ -17,12 +17,13 @@ from typing import Any
 import pytest
 from multiproc import collect, poll, running
 
-from scheduler_lib.broker import Broker, activation
+from scheduler_lib.broker import Broker, SentBy, activation
 from scheduler_lib.broker.broker import TIMER_POLL_INTERVAL
 from scheduler_lib.scheduler import (
     Completion,
     InvalidTask,
     KindNotAllowed,
+    Names,
     SchedulerEnded,
     Semaphores,
     SemaphoreTimeout,
@@ -33,6 +34,7 @@ from scheduler_lib.scheduler import (
     UnknownKind,
     WaveFailed,
     init,
+    register_kind,
 )
 
 WAIT = 30.0
@@ -509,3 +511,87 @@ def test_threads_share_a_scheduler_instance_safely(sched: Broker, executors: Exe
         for t in threads:
             t.join(WAIT)
     assert not errors
+
+
+# --- the rest of the API --------------------------------------------------------------
+
+
+class Echo:
+    """A task kind of the tests' own: returns its ``value``."""
+
+    name = "echo"
+
+    def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
+        if set(spec) != {"value"}:
+            raise InvalidTask(f"{where}: field 'value' is required, and only it")
+        return spec
+
+    def run(self, spec: Mapping[str, Any], context: Any) -> Any:
+        return {"echo": spec["value"], "log_id": context.log_id}
+
+    def describe(self, spec: Mapping[str, Any]) -> str:
+        return f"echo {spec['value']}"
+
+
+def test_a_registered_kind_runs_where_the_target_allows_it(
+    sched: Broker, executors: Executors
+) -> None:
+    register_kind(Echo())
+    init(sched, targets=[Target(activation=False, kinds=["echo", "python"])])
+    scheduler = TaskScheduler(sched)
+    with executors(1):
+        report = scheduler.run_waves([[{"kind": "echo", "value": 7}]])
+    (done,) = report.completions
+    assert done.ok and done.result["echo"] == 7 and done.task_name == "echo 7"
+    with pytest.raises(InvalidTask, match="field 'value'"):
+        scheduler.run_waves([[{"kind": "echo"}]])
+
+
+def test_exec_many_sends_all_or_nothing(
+    sched: Broker, scheduler: TaskScheduler, executors: Executors
+) -> None:
+    with scheduler.scheduler(max_in_flight=3) as handle:
+        with pytest.raises(InvalidTask):
+            scheduler.exec_many(handle, [sleep(0.01), {"kind": "python"}])
+        assert sched.peek("QueueAsyncTarget") == []
+        with pytest.raises(Exception, match="exceed max_in_flight=3"):
+            scheduler.exec_many(handle, [sleep(0.01)] * 4)
+        log_ids = scheduler.exec_many(handle, [sleep(0.01)] * 3)
+        assert len(log_ids) == 3 and handle.in_flight == 3
+        with executors(2):
+            done = [scheduler.synchronization(handle, timeout=WAIT) for _ in range(3)]
+    assert sorted(c.log_id for c in done) == sorted(log_ids)
+
+
+def test_with_retries_a_task_whose_worker_vanished_runs_again(
+    sched: Broker, executors: Executors
+) -> None:
+    init(sched, targets=[Target(activation=False, retries=1)])
+    scheduler = TaskScheduler(sched)
+    with scheduler.scheduler() as handle:
+        log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -3))
+        # A worker takes it and vanishes (never renews, never answers)
+        (lease,) = sched.take("QueueAsyncTarget", timeout=WAIT, lease=0.3)
+        assert json.loads(lease.message.body or b"{}")["log_id"] == log_id
+        poll(lambda: sched.peek("QueueAsyncTarget"), WAIT, "the task came back for a retry")
+        with executors(1):
+            done = scheduler.synchronization(handle, timeout=WAIT)
+    assert done.ok and done.result == 3
+    (incident,) = sched.poison_incidents(lease.message.conversation_handle, 0)
+    assert incident["kind"] == "EXPIRED"
+
+
+def test_the_catalog_names_are_configurable(broker: Broker, executors: Executors) -> None:
+    names = Names(
+        sent="Go",
+        done="Done",
+        contract="Jobs",
+        initiator_queue="CallerQ",
+        initiator_service="Caller",
+    )
+    init(broker, names, [Target("Runner", "RunnerQ", activation=False)])
+    scheduler = TaskScheduler(broker, names=names, target="Runner")
+    with executors(1, queue="RunnerQ"):
+        report = scheduler.run_waves([[sleep(0.01), sleep(0.01)]])
+    assert report.ok
+    assert broker.contract("Jobs") == {"Go": SentBy.INITIATOR, "Done": SentBy.TARGET}
