@@ -109,6 +109,10 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
         this broker's database. Idempotent."""
         schema.migrate(self._engine, migrations=migrations)
 
+    def has_query(self, query: str) -> bool:
+        """Whether this database's dialect has the named query (some exist on one only)."""
+        return self._store.has(query)
+
     def run(self, query: str, /, **params: Any) -> int:
         """Run one named statement (of :meth:`use_queries`) in a transaction of its own —
         on PostgreSQL in autocommit, one round trip; how many rows it changed."""

@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scheduler_lib.broker import exceptions
@@ -154,6 +154,33 @@ class ConversationOperations:
                 return seq
         with self._operation() as tx:
             return tx._send_checked(handle, message_type, data)
+
+    def send_many(
+        self,
+        conversation_handle: uuid.UUID | str,
+        message_type: str,
+        bodies: Sequence[checks.Body],
+    ) -> list[int]:
+        """SEND several messages of one type on one conversation, in order and atomically
+        (one statement on PostgreSQL once both endpoints exist).
+
+        :return: their sequence numbers
+        :raises: as :meth:`send`, for the first message that cannot be sent (then none is)
+        """
+        handle = checks.handle(conversation_handle)
+        message_type = checks.name(message_type, "message type")
+        if message_type in SYSTEM_MESSAGE_TYPES:
+            raise exceptions.InvalidArgument(f"{message_type!r} is a system message type")
+        if isinstance(bodies, str | bytes) or not isinstance(bodies, Sequence):
+            raise exceptions.InvalidArgument(f"bodies must be a list, got {type(bodies).__name__}")
+        if not bodies:
+            return []
+        with self._operation() as tx:
+            data = [checks.body_bytes(b, tx._broker.max_message_size) for b in bodies]
+            first = tx._send_many_fast(handle, message_type, data)
+            if first is not None:
+                return list(range(first, first + len(data)))
+            return [tx._send_checked(handle, message_type, d) for d in data]
 
     def receive(
         self,

@@ -72,3 +72,24 @@ def test_fair_share_must_be_a_positive_number_of_seconds(
     with pytest.raises(InvalidArgument, match="fair_share"):
         scheduler_catalog.alter_queue("TargetQueue", fair_share=bad)  # type: ignore[arg-type]
     assert scheduler_catalog.queue("TargetQueue").fair_share_quantum is None
+
+
+def test_send_many_sends_in_order_and_all_or_nothing(scheduler_catalog: Broker) -> None:
+    broker = scheduler_catalog
+    broker.alter_queue("TargetQueue", fair_share=1.0)
+    handle = broker.begin_dialog("InitiatorService", "TargetService", "AsyncContract")
+    # The first call creates the target endpoint (checked path), the second is one statement
+    assert broker.send_many(handle, "AsyncSent", ["a0", "a1"]) == [0, 1]
+    assert broker.send_many(handle, "AsyncSent", [b"a2", "a3", None]) == [2, 3, 4]
+    other = broker.begin_dialog("InitiatorService", "TargetService", "AsyncContract")
+    broker.send_many(other, "AsyncSent", ["b0", "b1"])
+    # Fair share still interleaves the two bursts; each stays in sequence order
+    order = _receive_all(broker)
+    assert [m for m in order if m.startswith("a")] == ["a0", "a1", "a2", "a3"]
+    assert order.index("b0") < order.index("a2")
+    # A message the contract forbids: nothing of the batch is sent
+    broker.create_message_type("Other", "NONE")
+    with pytest.raises(Exception, match="not part of contract"):
+        broker.send_many(handle, "Other", ["x", "y"])
+    assert broker.peek("TargetQueue") == []
+    assert broker.send_many(handle, "AsyncSent", []) == []
