@@ -287,10 +287,12 @@ def test_six_schedulers_on_five_readers_all_progress_evenly(
     callers = [TaskScheduler(sched) for _ in range(schedulers)]
     for caller in callers:
         handles.append(caller.get_scheduler())
-    # Every scheduler queues its tasks first (as six callers that started together)...
+    # Every scheduler queues its wave first, at once as run_waves does (six callers that
+    # started together; fair share stamps a later start correspondingly later)...
     for caller, handle in zip(callers, handles, strict=True):
-        for i in range(per):
-            caller.exec_async(handle, Task.python("time:sleep", 0.002, name=f"{i}"))
+        caller.exec_many(
+            handle, [Task.python("time:sleep", 0.002, name=f"{i}") for i in range(per)]
+        )
     # ...then five readers serve them
     with executors(5):
         for caller, handle in zip(callers, handles, strict=True):
