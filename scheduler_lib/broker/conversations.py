@@ -180,7 +180,14 @@ class ConversationOperations:
             first = tx._send_many_fast(handle, message_type, data)
             if first is not None:
                 return list(range(first, first + len(data)))
-            return [tx._send_checked(handle, message_type, d) for d in data]
+            # The checked path for the first message: it names what is wrong, or creates
+            # the target endpoint, after which the rest usually go in one statement.
+            sent = [tx._send_checked(handle, message_type, data[0])]
+            rest = data[1:]
+            following = tx._send_many_fast(handle, message_type, rest) if rest else None
+            if following is not None:
+                return sent + list(range(following, following + len(rest)))
+            return sent + [tx._send_checked(handle, message_type, d) for d in rest]
 
     def receive(
         self,

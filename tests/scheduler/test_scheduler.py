@@ -246,7 +246,7 @@ def test_a_killed_holders_permit_comes_back(sched: Broker, db_url: str) -> None:
     results = ctx.Queue()
     from scheduler_workers import hold_semaphore_forever
 
-    lease = 1.0
+    lease = 3.0  # renewed every second: long enough for a loaded machine
     holder = ctx.Process(target=hold_semaphore_forever, args=(db_url, "warehouse", lease, results))
     with running([holder]):
         ((pid, _holder_id),) = collect(results, 1)
