@@ -94,7 +94,8 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
         self._waiting_noted: dict[str, float] = {}
         self._empty_stamp_lock = threading.Lock()
         self._closed = threading.Event()
-        self._lease_keeper: poison.LeaseKeeper | None = None
+        self._lease_keeper: poison.LeaseKeeper | None = None  # started on first use
+        self._lease_keeper_lock = threading.Lock()
         self._timer_wakeup = threading.Event()
         self._timer_sleeps_until = 0.0  # epoch seconds: when the timer thread looks next
         self._timer_thread: threading.Thread | None = None
@@ -278,7 +279,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
         :param interval: seconds between renewals; default a third of the shortest lease
         :return: a context manager whose target maps lease ids found lost to their error
         """
-        with self._async_engine_lock:
+        with self._lease_keeper_lock:
             if self._lease_keeper is None:
                 self._lease_keeper = poison.LeaseKeeper(self)
         return self._lease_keeper.holding(leases, interval)

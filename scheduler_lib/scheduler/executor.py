@@ -43,7 +43,7 @@ from scheduler_lib.scheduler.semaphores import Semaphores
 
 log = logging.getLogger(__name__)
 
-IDLE_TIMEOUT = float(os.environ.get("SCHEDULER_LIB_EXECUTOR_IDLE", "10"))  # seconds
+IDLE_TIMEOUT = 10.0  # seconds; SCHEDULER_LIB_EXECUTOR_IDLE overrides it
 POLL = 1.0  # seconds per RECEIVE while idle, so a stopping runtime is noticed
 LEASE = 30.0  # seconds a task is held without a heartbeat (renewed every third)
 TARGETS_REFRESH = 5.0  # seconds the allowed kinds of the targets are trusted
@@ -73,13 +73,17 @@ class Executor:
         *,
         lease: float = LEASE,
         sql_url: str | None = None,
-        idle_timeout: float = IDLE_TIMEOUT,
+        idle_timeout: float | None = None,
     ) -> None:
         catalog.prepare(broker)
         self.broker = broker
         self.queue = queue
         self.lease = lease
-        self.idle_timeout = idle_timeout
+        self.idle_timeout = (
+            idle_timeout
+            if idle_timeout is not None
+            else float(os.environ.get("SCHEDULER_LIB_EXECUTOR_IDLE", IDLE_TIMEOUT))
+        )
         self.sql_url = (
             sql_url
             or os.environ.get("SCHEDULER_LIB_SQL_URL")
