@@ -79,6 +79,65 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    """A Spark driver serving a target queue until SIGTERM / SIGINT (or idle, launched)."""
+    import logging
+
+    from scheduler_lib import spark
+    from scheduler_lib.spark import session, worker
+
+    if args.entry_script:
+        from scheduler_lib import worker_entry
+
+        print(worker_entry.__file__)
+        return 0
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    conf = session.parse_conf(args.conf)
+    command = None
+    if args.launch_command:
+        command = worker.split_command(args.launch_command)
+    elif args.max_launched is not None:
+        command = worker.launch_command(
+            args.db,
+            service=args.service,
+            queue=args.queue,
+            master=args.master,
+            max_readers=args.max_readers,
+            conf=conf,
+        )
+    idle_exit = args.idle_exit
+    if idle_exit is None and worker.launched_by_activation():
+        idle_exit = worker.LAUNCHED_IDLE_EXIT
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with Broker(args.db) as broker:
+        spark_worker = spark.Worker(
+            broker,
+            service=args.service,
+            queue=args.queue,
+            master=args.master,
+            conf=conf,
+            max_readers=args.max_readers,
+            init=args.init,
+            launch_command=command,
+            max_launched=args.max_launched or 1,
+            idle_exit=idle_exit,
+            app_name=args.app_name,
+        ).start()
+        print(
+            f"worker serving {args.queue} on {broker.url.render_as_string()}: Spark application "
+            f"{spark_worker.application_id}, UI {spark_worker.ui_url or 'off'}, "
+            f"{args.max_readers} reader(s)",
+            flush=True,
+        )
+        spark_worker.run(stop)
+    print("stopped", flush=True)
+    return 0
+
+
 def _queues(args: argparse.Namespace) -> int:
     """Queues with their status, activation, monitors and readers."""
     with Broker(args.db, timers=False) as broker:
@@ -314,6 +373,49 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--db", default=db_default, help="SQLAlchemy URL")
     serve.add_argument("--readers", choices=["thread", "process"], default="thread")
     serve.set_defaults(run=_serve)
+
+    worker = commands.add_parser(
+        "worker", help="a Spark driver whose readers run the tasks of a target queue"
+    )
+    worker.add_argument("--db", default=db_default, help="SQLAlchemy URL")
+    worker.add_argument("--service", default=scheduler.Target.service, help="target service")
+    worker.add_argument("--queue", default=scheduler.Target.queue, help="target queue")
+    worker.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
+    worker.add_argument(
+        "--max-readers", type=_positive_int, default=4, help="tasks at once in this driver"
+    )
+    worker.add_argument(
+        "--conf", action="append", default=[], metavar="KEY=VALUE", help="a Spark setting"
+    )
+    worker.add_argument("--app-name", default="scheduler-lib worker", help="Spark app name")
+    worker.add_argument(
+        "--no-init",
+        dest="init",
+        action="store_false",
+        help="do not (re)write the target's settings (workers started by another worker)",
+    )
+    worker.add_argument(
+        "--idle-exit",
+        type=float,
+        help="leave after this many seconds without a running task (default: never; "
+        "30 for workers started by external activation)",
+    )
+    worker.add_argument(
+        "--launch-command",
+        help="start this command (e.g. spark-submit ...) for one more worker when this "
+        "driver is full and tasks wait (external activation)",
+    )
+    worker.add_argument(
+        "--max-launched",
+        type=_positive_int,
+        help="most launched workers at once (alone: launch this same worker command)",
+    )
+    worker.add_argument(
+        "--entry-script",
+        action="store_true",
+        help="print the path of the script spark-submit runs to start a worker, and exit",
+    )
+    worker.set_defaults(run=_worker)
 
     queues = commands.add_parser("queues", help="queues, monitors and running readers")
     queues.add_argument("--db", default=db_default, help="SQLAlchemy URL")

@@ -77,5 +77,29 @@ CREATE INDEX ix_semaphore_holders_name ON semaphore_holders (semaphore_name);
 
 INSERT INTO scheduler_alembic_version (version_num) VALUES ('s0001') RETURNING scheduler_alembic_version.version_num;
 
+-- Running upgrade s0001 -> s0002
+
+DROP VIEW execution_status;
+
+ALTER TABLE execution_log ADD COLUMN cancel_requested_at FLOAT(53);
+
+ALTER TABLE execution_log ADD COLUMN cancel_reason TEXT;
+
+ALTER TABLE execution_log ADD COLUMN spark_ui_url VARCHAR(512);
+
+CREATE INDEX ix_execution_log_cancel ON execution_log (log_id) WHERE cancel_requested_at IS NOT NULL AND end_time IS NULL;
+
+CREATE VIEW execution_status AS
+SELECT t.task_id AS reader_task_id, t.queue_name, t.host_name, t.process_id,
+    t.reader_name, t.started_at AS reader_started_at, t.heartbeat_at AS reader_heartbeat_at,
+    l.log_id, l.caller_id, l.scheduler_handle, l.target_service, l.wave, l.task_name,
+    l.task_kind, l.worker_id, l.spark_application_id, l.spark_job_group, l.spark_ui_url,
+    l.sent_at, l.start_time, l.status, l.attempts, l.cancel_requested_at, l.dag_id,
+    l.run_id, l.task_id
+FROM activated_tasks t
+LEFT JOIN execution_log l ON l.activated_task_id = t.task_id AND l.end_time IS NULL;
+
+UPDATE scheduler_alembic_version SET version_num='s0002' WHERE scheduler_alembic_version.version_num = 's0001';
+
 COMMIT;
 

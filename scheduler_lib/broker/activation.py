@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +123,10 @@ class ActivationRuntime:
     :param broker: the broker to serve
     :param clock: seconds since the epoch (injectable for tests)
     :param reader_mode: ``thread`` (default) or ``process``
+    :param queues: serve only these queues (default: every queue with activation)
+    :param reader_cap: at most this many readers per queue in this runtime (the queue's
+        ``max_readers`` still caps all runtimes together); beyond it, only external
+        activation (``QUEUE_ACTIVATION`` events) can add readers
     """
 
     def __init__(
@@ -136,7 +140,17 @@ class ActivationRuntime:
         heartbeat_expiry: float = HEARTBEAT_EXPIRY,
         notification_timeout: float = NOTIFICATION_TIMEOUT,
         reader_mode: str = "thread",
+        queues: Collection[str] | None = None,
+        reader_cap: int | None = None,
     ) -> None:
+        if reader_cap is not None and (
+            isinstance(reader_cap, bool) or not isinstance(reader_cap, int) or reader_cap < 1
+        ):
+            raise exceptions.InvalidArgument(
+                f"reader_cap must be an integer >= 1, got {reader_cap!r}"
+            )
+        if isinstance(queues, str):
+            raise exceptions.InvalidArgument(f"queues must be a list of names, got {queues!r}")
         if reader_mode not in READER_MODES:
             raise exceptions.InvalidArgument(
                 f"reader_mode must be one of {READER_MODES}, got {reader_mode!r}"
@@ -149,12 +163,15 @@ class ActivationRuntime:
         self.heartbeat_expiry = heartbeat_expiry
         self.notification_timeout = notification_timeout
         self.reader_mode = reader_mode
+        self.queues = None if queues is None else frozenset(queues)
+        self.reader_cap = reader_cap
         self.runtime_id = str(uuid.uuid4())
         self._host = socket.gethostname()
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
         self._monitors: dict[str, threading.Thread] = {}
         self._readers: dict[str, threading.Thread] = {}
+        self._reader_queues: dict[str, str] = {}  # task id -> queue
         self._lock = threading.Lock()
         self._listening: set[str] = set()
         self._failed_at: dict[str, float] = {}  # queue -> when a reader last failed
@@ -199,6 +216,11 @@ class ActivationRuntime:
         with self._lock:
             return len(self._readers)
 
+    def readers_of(self, queue: str) -> int:
+        """Readers this runtime is running now on ``queue``."""
+        with self._lock:
+            return sum(1 for q in self._reader_queues.values() if q == queue)
+
     # --- monitors --------------------------------------------------------------------
 
     def _supervise(self) -> None:
@@ -216,6 +238,8 @@ class ActivationRuntime:
         with self.broker.transaction() as tx:
             tx._execute("monitor_delete_unused")
             queues = {r["queue_name"] for r in tx._all("queues_activating")}
+            if self.queues is not None:
+                queues &= self.queues
             for queue in queues:
                 tx._execute("monitor_ensure", queue=queue, now=self.clock())
         with self._lock:
@@ -300,7 +324,8 @@ class ActivationRuntime:
                 # A procedure that just failed is not restarted in a hot loop.
                 if now - self._failed_at.get(queue, float("-inf")) < self.empty_grace:
                     needed = False
-                if needed and running < info.max_readers:
+                capped = self.reader_cap is not None and self.readers_of(queue) >= self.reader_cap
+                if needed and running < info.max_readers and not capped:
                     task_id = str(uuid.uuid4())
                     tx._execute(
                         "task_insert",
@@ -355,6 +380,7 @@ class ActivationRuntime:
         )
         with self._lock:
             self._readers[task_id] = thread
+            self._reader_queues[task_id] = queue
         thread.start()
 
     def _run_reader(self, task_id: str, queue: str, procedure: str) -> None:
@@ -385,6 +411,7 @@ class ActivationRuntime:
                 tx._execute("task_delete", task_id=task_id)
             with self._lock:
                 self._readers.pop(task_id, None)
+                self._reader_queues.pop(task_id, None)
             self.poke(queue)  # "all readers exited" is a reason to re-check at once
 
     # --- heartbeats ------------------------------------------------------------------

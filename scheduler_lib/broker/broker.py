@@ -120,6 +120,12 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
         with self._single_statement() as tx:
             return tx.run(query, **params)
 
+    def fetch(self, query: str, /, **params: Any) -> list[Any]:
+        """The rows of one named query (of :meth:`use_queries`), in a transaction of its
+        own — on PostgreSQL in autocommit, one round trip."""
+        with self._single_statement() as tx:
+            return tx.fetch(query, **params)
+
     def _take_waiting(
         self, queue: str, top: int, duration: float, holder: str, timeout: float | None
     ) -> list[Lease] | None:

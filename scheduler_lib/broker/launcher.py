@@ -9,7 +9,7 @@ import logging
 import os
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from scheduler_lib.broker import exceptions
@@ -37,6 +37,8 @@ class Launcher:
     :param queue: the subscriber's queue (the event notification's ``to_service``'s queue)
     :param command: argv of the program to start; it gets ``SCHEDULER_LIB_ACTIVATED_QUEUE``
     :param max_processes: most started processes running at once
+    :param should_launch: asked before each start; ``False`` drops the event (e.g. a
+        Spark worker that can still add readers of its own)
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class Launcher:
         *,
         max_processes: int = 1,
         env: Mapping[str, str] | None = None,
+        should_launch: Callable[[], bool] | None = None,
     ) -> None:
         if not command:
             raise exceptions.InvalidArgument("the launcher needs a command to start")
@@ -63,6 +66,7 @@ class Launcher:
         self.command = list(command)
         self.max_processes = max_processes
         self.env = dict(env or {})
+        self.should_launch = should_launch
         self.processes: list[subprocess.Popen[bytes]] = []
         self.events_seen = 0
 
@@ -94,6 +98,8 @@ class Launcher:
                 self.events_seen += 1
                 if self.running >= self.max_processes:
                     log.info("launcher on %s: %d running, cap reached", self.queue, self.running)
+                    continue
+                if self.should_launch is not None and not self.should_launch():
                     continue
                 env = {**os.environ, **self.env, ACTIVATED_QUEUE_ENV: str(event.get("ObjectName"))}
                 self.processes.append(subprocess.Popen(self.command, env=env))

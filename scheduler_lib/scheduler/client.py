@@ -237,11 +237,11 @@ class TaskScheduler:
 
     def release_scheduler(self, handle: SchedulerHandle) -> None:
         """ReleaseScheduler: end the conversation. Its tasks that have not started are
-        cancelled (they will not run); tasks running now finish and their rows say how.
-        Never fails because the conversation is already gone (the blog's "evil DBA"
-        case)."""
+        cancelled (they will not run) and its running tasks are asked to stop (a Spark
+        task's job group is cancelled; their rows say how they ended). Never fails
+        because the conversation is already gone (the blog's "evil DBA" case)."""
         if handle.in_flight:
-            self.cancel_queued(handle, "cancelled: the scheduler was released")
+            self.cancel(handle, "cancelled: the scheduler was released")
         with contextlib.suppress(ConversationNotFound, ConversationStateError):
             self.broker.end_conversation(handle.conversation_handle)
 
@@ -262,13 +262,31 @@ class TaskScheduler:
 
         :return: how many were cancelled
         """
+        return self.cancel(handle, reason, running=False)[0]
+
+    def cancel(
+        self, handle: SchedulerHandle, reason: str = "cancelled", *, running: bool = True
+    ) -> tuple[int, int]:
+        """Cancel the scheduler's tasks that have not started and ask the workers running
+        its other tasks to stop them (within about a second); each still answers, with
+        ``CANCELLED`` when it stopped early.
+
+        :return: (tasks cancelled before they started, running tasks asked to stop)
+        """
+        now = time.time()
         with self.broker.transaction() as tx:
-            return tx.run(
-                "log_cancel_queued",
-                handle=str(handle.conversation_handle),
-                reason=reason,
-                now=time.time(),
+            queued = tx.run(
+                "log_cancel_queued", handle=str(handle.conversation_handle), reason=reason, now=now
             )
+            stopping = 0
+            if running:
+                stopping = tx.run(
+                    "log_cancel_running",
+                    handle=str(handle.conversation_handle),
+                    reason=reason,
+                    now=now,
+                )
+        return queued, stopping
 
     def log(self, handle: SchedulerHandle) -> list[Mapping[str, Any]]:
         """The scheduler's ``execution_log`` rows, in the order they were sent."""
@@ -327,7 +345,8 @@ class TaskScheduler:
         Every task of every wave is checked before anything is sent.
 
         :param policy: ``fail_fast`` — at the first failure send nothing more, cancel
-            this scheduler's tasks that have not started, wait for those running, and
+            this scheduler's tasks that have not started, stop those running (they answer
+            ``CANCELLED``, or their result when they finished first), and
             raise :class:`WaveFailed` listing every failure; ``continue`` — run every
             wave and report (``RunReport.ok``)
         :param max_in_flight: at most this many tasks sent and not completed at once
@@ -406,14 +425,16 @@ class TaskScheduler:
                 on_completion(index, completion)
             if not completion.ok and policy == "fail_fast" and not stop:
                 stop = True
-                cancelled = self.cancel_queued(
+                cancelled, stopping = self.cancel(
                     handle, f"cancelled: task {completion.task_name or completion.log_id} failed"
                 )
                 log.warning(
-                    "wave %s: %s failed; %s queued task(s) cancelled, %s not sent",
+                    "wave %s: %s failed; %s queued task(s) cancelled, %s running asked to "
+                    "stop, %s not sent",
                     index,
                     completion.task_name or completion.log_id,
                     cancelled,
+                    stopping,
                     len(pending),
                 )
         return WaveReport(index, completions, list(pending) if stop else [])

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from scheduler_lib.broker import (
@@ -47,6 +47,7 @@ IDLE_TIMEOUT = 10.0  # seconds; SCHEDULER_LIB_EXECUTOR_IDLE overrides it
 POLL = 1.0  # seconds per RECEIVE while idle, so a stopping runtime is noticed
 LEASE = 30.0  # seconds a task is held without a heartbeat (renewed every third)
 TARGETS_REFRESH = 5.0  # seconds the allowed kinds of the targets are trusted
+CANCEL_POLL = 0.5  # seconds between a worker's looks for cancel requests while tasks run
 ERROR_LIMIT = 8000  # characters of a task's error kept
 RESULT_LIMIT = 64 * 1024  # characters of a task's result kept
 
@@ -64,6 +65,8 @@ class Executor:
 
     :param sql_url: where ``sql`` tasks run (default: ``SCHEDULER_LIB_SQL_URL``, else the
         broker's own database, as the blog's ``exec(@SQL)`` does)
+    :param worker: who runs a task, for ``execution_log.worker_id`` (default: host,
+        process and reader; the Spark worker adds its application id)
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class Executor:
         lease: float = LEASE,
         sql_url: str | None = None,
         idle_timeout: float | None = None,
+        worker: Callable[[], str] | None = None,
     ) -> None:
         catalog.prepare(broker)
         self.broker = broker
@@ -90,6 +94,8 @@ class Executor:
             or broker.url.render_as_string(hide_password=False)
         )
         self.semaphores = Semaphores(broker)
+        self.worker = worker or worker_id
+        self._cancels = CancelWatcher.of(broker)
         self._targets: tuple[float, dict[str, frozenset[str]]] | None = None
 
     def serve(self, stop: threading.Event | None = None) -> int:
@@ -167,7 +173,7 @@ class Executor:
         started = self.broker.run(
             "log_start",
             log_id=log_id,
-            worker=worker_id(),
+            worker=self.worker(),
             activated_task_id=activation.current_reader(),
             now=time.time(),
         )
@@ -202,34 +208,39 @@ class Executor:
     # --- running ---------------------------------------------------------------------
 
     def _run(self, lease: Lease, log_id: int, task: Task) -> None:
-        cancelled = threading.Event()
+        def record_spark(
+            application_id: str | None, job_group: str | None, ui_url: str | None
+        ) -> None:
+            self.broker.run(
+                "log_spark",
+                log_id=log_id,
+                application_id=application_id,
+                job_group=job_group,
+                ui_url=ui_url,
+            )
 
-        def record_spark(application_id: str | None, job_group: str | None) -> None:
-            with self.broker.transaction() as tx:
-                tx.run(
-                    "log_spark",
-                    log_id=log_id,
-                    application_id=application_id,
-                    job_group=job_group,
-                )
-
-        context = TaskContext(log_id, task, self.sql_url, cancelled, record_spark)
+        context = TaskContext(
+            log_id, task, self.sql_url, record_spark, priority=lease.message.priority
+        )
         result: Any = None
         error: str | None = None
-        with self.broker.keep_alive([lease]) as lost:
+        with self.broker.keep_alive([lease]) as lost, self._cancels.watching(context):
             try:
                 with self._permit(task):
                     result = get_kind(task.kind).run(task.spec, context)
                 status = SUCCEEDED
             except Exception as exc:  # errors are results
                 status, error = FAILED, _error(exc, with_traceback=True)
+                if context.cancelled.is_set():  # it stopped because it was told to
+                    status = CANCELLED
+                    error = f"{context.cancel_reason} (it was running: {_error(exc)})"[:ERROR_LIMIT]
         encoded = _result(result)
         finish = {
             "log_id": log_id,
             "status": status,
             "error": error,
             "result": encoded,
-            "worker": worker_id(),
+            "worker": self.worker(),
         }
         try:
             if lost:
@@ -308,6 +319,71 @@ def _done_type(tx: Transaction, contract: str) -> str:
             )
         done = _done_types[contract] = targets[0]
     return done
+
+
+class CancelWatcher:
+    """Tells the running tasks of one process (on one broker) that they were cancelled.
+
+    One thread per broker looks for cancel requests every ``CANCEL_POLL`` seconds while
+    tasks run, and sleeps while none does; the query reads a partial index of the rows
+    asked to stop, so it stays cheap however long the log is.
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self._running: dict[int, TaskContext] = {}
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def of(cls, broker: Broker) -> CancelWatcher:
+        with cls._lock:
+            watcher = getattr(broker, "_cancel_watcher", None)
+            if watcher is None:
+                watcher = cls(broker)
+                broker._cancel_watcher = watcher  # type: ignore[attr-defined]
+            return watcher
+
+    @contextlib.contextmanager
+    def watching(self, context: TaskContext) -> Iterator[None]:
+        with self._changed:
+            self._running[context.log_id] = context
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._watch, name="task-cancel-watcher", daemon=True
+                )
+                self._thread.start()
+            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._running.pop(context.log_id, None)
+
+    def _watch(self) -> None:
+        while True:
+            with self._changed:
+                while not self._running:
+                    if not self._changed.wait(timeout=60.0) and not self._running:
+                        self._thread = None  # idle for a minute: let the thread go
+                        return
+            try:
+                requests = self.broker.fetch("log_cancel_requests")
+            except Exception:
+                log.warning("looking for cancel requests failed", exc_info=True)
+                requests = []
+            with self._changed:
+                targets = [
+                    (self._running[r["log_id"]], r["cancel_reason"])
+                    for r in requests
+                    if r["log_id"] in self._running
+                ]
+            for context, reason in targets:
+                log.info("task %s: %s", context.log_id, reason)
+                context.cancel(reason or "cancelled")
+            time.sleep(CANCEL_POLL)
 
 
 def report_lost_task(event: PoisonEvent) -> None:

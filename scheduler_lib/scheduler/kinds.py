@@ -9,9 +9,11 @@ with :func:`register_kind` without touching this module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -22,6 +24,8 @@ from scheduler_lib.broker import engine as engines
 from scheduler_lib.broker.activation import resolve
 from scheduler_lib.broker.exceptions import InvalidArgument
 from scheduler_lib.scheduler.errors import InvalidTask, UnknownKind
+
+log = logging.getLogger(__name__)
 
 COMMON_FIELDS = ("kind", "name", "semaphore")
 
@@ -109,15 +113,54 @@ def as_task(task: Task | Mapping[str, Any], where: str = "task") -> Task:
 
 @dataclasses.dataclass
 class TaskContext:
-    """What a running task may know and use."""
+    """What a running task may know and use.
+
+    A task is cancelled when its scheduler fails fast or is released while it runs: the
+    worker calls :meth:`cancel`, which sets :attr:`cancelled` and runs the callbacks kinds
+    registered with :meth:`on_cancel` (a Spark task cancels its job group). Kinds that
+    cannot be interrupted (``sql``, ``python``) may look at :attr:`cancelled` instead.
+    """
 
     log_id: int
     task: Task
     sql_url: str  # where ``sql`` tasks run
-    # For kinds that can stop early: set when the task should stop. Nothing sets it for
-    # the built-in sql and python kinds yet (fail fast cancels queued tasks only).
-    cancelled: threading.Event
-    record_spark: Callable[[str | None, str | None], None]  # (application id, job group)
+    record_spark: Callable[[str | None, str | None, str | None], None]
+    """(application id, job group, Spark UI URL): where the task runs, for the log."""
+    priority: int = 5  # the conversation's priority level (1..10)
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    cancel_reason: str | None = None
+    _callbacks: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` when the task is cancelled (at once if it already is).
+
+        :return: a function that unregisters it
+        """
+        with self._lock:
+            if not self.cancelled.is_set():
+                self._callbacks.append(callback)
+                return lambda: self._forget(callback)
+        callback()
+        return lambda: None
+
+    def cancel(self, reason: str) -> None:
+        """Ask the task to stop (idempotent)."""
+        with self._lock:
+            if self.cancelled.is_set():
+                return
+            self.cancel_reason = reason
+            self.cancelled.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.warning("task %s: a cancel callback failed", self.log_id, exc_info=True)
+
+    def _forget(self, callback: Callable[[], None]) -> None:
+        with self._lock, contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
 
 
 class TaskKind(Protocol):

@@ -38,8 +38,9 @@ SET status = 'RUNNING', start_time = :now, worker_id = :worker,
 WHERE log_id = :log_id AND status IN ('QUEUED', 'RUNNING');
 
 -- name: log_spark
--- The Spark application and job group a task runs in.
-UPDATE execution_log SET spark_application_id = :application_id, spark_job_group = :job_group
+-- The Spark application, its UI and the job group a task runs in.
+UPDATE execution_log SET spark_application_id = :application_id, spark_job_group = :job_group,
+    spark_ui_url = :ui_url
 WHERE log_id = :log_id;
 
 -- name: log_finish
@@ -63,6 +64,16 @@ SELECT * FROM execution_log WHERE log_id = :log_id;
 UPDATE execution_log SET status = 'CANCELLED', end_time = :now,
     error = :reason
 WHERE scheduler_handle = :handle AND status = 'QUEUED';
+
+-- name: log_cancel_running
+-- Fail fast or release: ask the workers running this scheduler's tasks to stop them.
+UPDATE execution_log SET cancel_requested_at = :now, cancel_reason = :reason
+WHERE scheduler_handle = :handle AND status = 'RUNNING' AND cancel_requested_at IS NULL;
+
+-- name: log_cancel_requests
+-- Running tasks asked to stop (workers poll this while they run tasks; a small index).
+SELECT log_id, cancel_reason FROM execution_log
+WHERE cancel_requested_at IS NOT NULL AND end_time IS NULL;
 
 -- name: log_of_scheduler
 -- A scheduler's rows, in the order they were sent.
