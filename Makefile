@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[airflow,dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[airflow,demo,dev]"
 	touch $(STAMP)
 
 ## The whole suite (PostgreSQL tests skip locally without a server; CI=true makes them mandatory).

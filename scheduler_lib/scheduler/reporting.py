@@ -201,6 +201,13 @@ def _json_report(
     }
 
 
+def _spark(row: Any) -> str:
+    """Where a running Spark task can be watched: its job group and the Spark UI."""
+    if not row["spark_job_group"]:
+        return "-"
+    return " ".join(str(v) for v in (row["spark_job_group"], row["spark_ui_url"]) if v)
+
+
 def print_status(broker: Broker, *, limit: int = 20, as_json: bool = False) -> None:
     """The execution_status view, the most recent log rows and the semaphores."""
     catalog.prepare(broker)
@@ -233,6 +240,7 @@ def print_status(broker: Broker, *, limit: int = 20, as_json: bool = False) -> N
         "task",
         "status",
         "since",
+        "spark job group / UI",
         "dag / run / task",
     ):
         now_running.add_column(column, overflow="fold")
@@ -247,6 +255,7 @@ def print_status(broker: Broker, *, limit: int = 20, as_json: bool = False) -> N
             r["task_name"] or "(idle)",
             r["status"] or "-",
             _clock(r["start_time"]),
+            _spark(r),
             airflow or "-",
         )
     out.print(now_running)
@@ -279,6 +288,11 @@ def print_status(broker: Broker, *, limit: int = 20, as_json: bool = False) -> N
             (r["error"] or "").splitlines()[0][:60] if r["error"] else "",
         )
     out.print(log)
+    applications = {
+        r["spark_application_id"]: r["spark_ui_url"] for r in recent if r["spark_application_id"]
+    }
+    for application, ui_url in applications.items():
+        out.print(f"Spark application {application}: UI {ui_url or 'off (spark.ui.enabled=false)'}")
     if semaphores:
         table = Table(title="semaphores")
         for column in ("semaphore", "permits", "held"):

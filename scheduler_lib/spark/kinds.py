@@ -214,7 +214,8 @@ class SparkSqlError(Exception):
 
 def _statement_error(number: int, count: int, exc: Exception) -> str:
     where = f"statement {number} of {count}" if count > 1 else "the statement"
-    return f"{where} failed: {type(exc).__name__}: {exc}"
+    # Spark's messages may start with a line break; the first line should say it all.
+    return f"{where} failed: {type(exc).__name__}: {str(exc).strip()}"
 
 
 def _output(output: Any, where: str) -> dict[str, str]:

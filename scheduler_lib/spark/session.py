@@ -100,13 +100,28 @@ def build(
     # Under spark-submit the master comes from its command line: keep it.
     if master is not None:
         builder = builder.master(master)
-    elif not SparkConf().contains("spark.master"):
+    elif not under_spark_submit() and not SparkConf().contains("spark.master"):
         builder = builder.master(DEFAULT_MASTER)
     for key, value in settings.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     use(spark)
     return spark
+
+
+def under_spark_submit() -> bool:
+    """Whether spark-submit started this process (its JVM is already up and holds the
+    master and settings from spark-submit's command line)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def stopped(spark: SparkSession) -> bool:
+    """Whether the session's SparkContext stopped, or its JVM is gone (spark-submit's
+    driver JVM was killed: the Python side must not linger)."""
+    try:
+        return bool(spark.sparkContext._jsc.sc().isStopped())
+    except Exception:
+        return True
 
 
 def use(spark: SparkSession | None) -> None:

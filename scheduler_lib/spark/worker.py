@@ -183,6 +183,9 @@ class Worker:
             self.start()
         idle_since = time.monotonic()
         while not self._stop.is_set() and not (stop is not None and stop.is_set()):
+            if self.spark is not None and session.stopped(self.spark):
+                log.warning("the SparkContext stopped (or its JVM died): the worker leaves")
+                break
             if self.runtime is not None and self.runtime.readers_of(self.queue):
                 idle_since = time.monotonic()
             elif self.idle_exit is not None and time.monotonic() - idle_since >= self.idle_exit:
@@ -208,7 +211,8 @@ class Worker:
                 with contextlib.suppress(Exception):
                     process.wait(timeout=30)
         if self.spark is not None and self._own_session:
-            self.spark.stop()
+            with contextlib.suppress(Exception):  # its JVM may be gone already
+                self.spark.stop()
             session.use(None)
 
     def __enter__(self) -> Worker:
