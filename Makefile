@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-quick lint bench sql clean
+.PHONY: venv test test-quick lint bench sql clean demo
 
 venv: $(STAMP)
 
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 ## The whole suite (PostgreSQL tests skip locally without a server; CI=true makes them mandatory).
 test: $(STAMP)
 	$(PY) -m pytest
+
+## The main job on the embedded default: the blog's waves as Spark SQL on SQLite + local[*].
+demo: $(STAMP)
+	$(PY) -m demo
 
 ## Lint: ruff, mypy on the library, import-linter for the layer rules.
 lint: $(STAMP)
@@ -31,6 +35,7 @@ bench: $(STAMP)
 	$(PY) -m bench.priority_throughput
 	$(PY) -m bench.activation_latency
 	$(PY) -m bench.scheduler_loop
+	$(PY) -m bench.spark_overhead
 
 ## Regenerate the reference DDL in sql/ from the migrations.
 sql: $(STAMP)

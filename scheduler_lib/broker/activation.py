@@ -123,6 +123,10 @@ class ActivationRuntime:
     :param broker: the broker to serve
     :param clock: seconds since the epoch (injectable for tests)
     :param reader_mode: ``thread`` (default) or ``process``
+    :param idle_check_interval: seconds between checks of a queue with nothing ready
+        (default: ``check_interval``). Arrivals wake the monitor anyway (NOTIFY, SQLite's
+        data_version watcher), so a runtime that checks often to ramp readers up quickly
+        need not poll idle queues as often
     :param queues: serve only these queues (default: every queue with activation)
     :param reader_cap: at most this many readers per queue in this runtime (the queue's
         ``max_readers`` still caps all runtimes together); beyond it, only external
@@ -142,6 +146,7 @@ class ActivationRuntime:
         reader_mode: str = "thread",
         queues: Collection[str] | None = None,
         reader_cap: int | None = None,
+        idle_check_interval: float | None = None,
     ) -> None:
         if reader_cap is not None and (
             isinstance(reader_cap, bool) or not isinstance(reader_cap, int) or reader_cap < 1
@@ -165,6 +170,7 @@ class ActivationRuntime:
         self.reader_mode = reader_mode
         self.queues = None if queues is None else frozenset(queues)
         self.reader_cap = reader_cap
+        self.idle_check_interval = idle_check_interval
         self.runtime_id = str(uuid.uuid4())
         self._host = socket.gethostname()
         self._stopped = threading.Event()
@@ -270,7 +276,10 @@ class ActivationRuntime:
                 idle = decision.readers_running + decision.readers_started == 0
                 if self._listen(queue, idle) and idle:
                     continue
-                wakeups.wait(queue, seen, self._next_check_in(queue))
+                interval = self._next_check_in(queue)
+                if not decision.messages_ready and self.idle_check_interval is not None:
+                    interval = max(interval, self.idle_check_interval)
+                wakeups.wait(queue, seen, interval)
         finally:
             self._listen(queue, False)
             with self._lock:

@@ -154,6 +154,7 @@ class Worker:
             reader_cap=self.max_readers,
             check_interval=ACTIVATION_INTERVAL,
             empty_grace=ACTIVATION_INTERVAL,
+            idle_check_interval=activation.CHECK_INTERVAL,
         ).start()
         if self.launch_command:
             self.launcher = Launcher(
