@@ -40,8 +40,10 @@ def _init(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """Run a plan's waves and report; exit 1 when a task failed."""
+    import scheduler_lib.spark  # noqa: F401 - Spark tasks of the plan are checked before sending
     from scheduler_lib.scheduler.plan import load_plan
     from scheduler_lib.scheduler.reporting import PlanRunner
+    from scheduler_lib.spark.worker import PROCEDURE as SPARK_PROCEDURE
 
     plan = load_plan(args.plan)
     with Broker(args.db) as broker:
@@ -52,6 +54,7 @@ def _run(args: argparse.Namespace) -> int:
             max_in_flight=args.max_in_flight,
             target=args.target,
             serve=args.serve,
+            serve_skip={SPARK_PROCEDURE},  # Spark target queues are served by workers
             as_json=args.json,
         )
         return runner.run()
@@ -71,7 +74,15 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    with Broker(args.db) as broker, activation.running(broker, reader_mode=args.readers) as rt:
+    from scheduler_lib.spark.worker import PROCEDURE as SPARK_PROCEDURE
+
+    with (
+        Broker(args.db) as broker,
+        # Spark target queues are served by `scheduler-lib worker` (readers need its session).
+        activation.running(
+            broker, reader_mode=args.readers, skip_procedures={SPARK_PROCEDURE}
+        ) as rt,
+    ):
         print(f"serving {broker.url.render_as_string()} (runtime {rt.runtime_id})", flush=True)
         while not stop.wait(0.5):  # a bounded wait, so the signal handler always gets to run
             pass
@@ -121,7 +132,9 @@ def _worker(args: argparse.Namespace) -> int:
             master=args.master,
             conf=conf,
             max_readers=args.max_readers,
-            init=args.init,
+            # A worker started by external activation never rewrites the target, whatever
+            # its command says: the first worker's settings (reader caps) stand.
+            init=args.init and not worker.launched_by_activation(),
             launch_command=command,
             max_launched=args.max_launched or 1,
             idle_exit=idle_exit,
@@ -397,8 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--idle-exit",
         type=float,
-        help="leave after this many seconds without a running task (default: never; "
-        "30 for workers started by external activation)",
+        help="leave after this many seconds without a running reader (readers stay "
+        "$SCHEDULER_LIB_EXECUTOR_IDLE, 10 s, after their last task; default: never; 30 for "
+        "workers started by external activation)",
     )
     worker.add_argument(
         "--launch-command",

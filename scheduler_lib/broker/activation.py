@@ -127,6 +127,9 @@ class ActivationRuntime:
         (default: ``check_interval``). Arrivals wake the monitor anyway (NOTIFY, SQLite's
         data_version watcher), so a runtime that checks often to ramp readers up quickly
         need not poll idle queues as often
+    :param skip_procedures: activation procedures this runtime never starts (they need
+        something only other processes have: ``scheduler-lib serve`` leaves Spark target
+        queues to Spark workers)
     :param queues: serve only these queues (default: every queue with activation)
     :param reader_cap: at most this many readers per queue in this runtime (the queue's
         ``max_readers`` still caps all runtimes together); beyond it, only external
@@ -147,6 +150,7 @@ class ActivationRuntime:
         queues: Collection[str] | None = None,
         reader_cap: int | None = None,
         idle_check_interval: float | None = None,
+        skip_procedures: Collection[str] = (),
     ) -> None:
         if reader_cap is not None and (
             isinstance(reader_cap, bool) or not isinstance(reader_cap, int) or reader_cap < 1
@@ -171,6 +175,7 @@ class ActivationRuntime:
         self.queues = None if queues is None else frozenset(queues)
         self.reader_cap = reader_cap
         self.idle_check_interval = idle_check_interval
+        self.skip_procedures = frozenset(skip_procedures)
         self.runtime_id = str(uuid.uuid4())
         self._host = socket.gethostname()
         self._stopped = threading.Event()
@@ -326,7 +331,11 @@ class ActivationRuntime:
             stamps = (monitor["last_empty_rowset_at"], self.broker.last_waiting_receiver(queue))
             last_empty = max((t for t in stamps if t is not None), default=None)
             nobody_waiting = last_empty is None or now - last_empty >= self.empty_grace
-            if info.is_activation_enabled and info.activation_procedure:
+            if (
+                info.is_activation_enabled
+                and info.activation_procedure
+                and info.activation_procedure not in self.skip_procedures
+            ):
                 last_started = monitor["last_activated_at"]
                 settled = last_started is None or now - last_started >= self.empty_grace
                 needed = running == 0 or (nobody_waiting and settled)

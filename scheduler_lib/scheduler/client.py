@@ -288,10 +288,11 @@ class TaskScheduler:
                 )
         return queued, stopping
 
-    def log(self, handle: SchedulerHandle) -> list[Mapping[str, Any]]:
-        """The scheduler's ``execution_log`` rows, in the order they were sent."""
-        with self.broker.transaction() as tx:
-            return tx.fetch("log_of_scheduler", handle=str(handle.conversation_handle))
+    def log(self, handle: SchedulerHandle | uuid.UUID | str) -> list[Mapping[str, Any]]:
+        """The scheduler's ``execution_log`` rows, in the order they were sent (``handle``
+        may be the conversation handle, e.g. ``RunReport.scheduler_handle``)."""
+        key = handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle
+        return self.broker.fetch("log_of_scheduler", handle=str(key))
 
     def _send_batch(
         self, handle: SchedulerHandle, tasks: Sequence[Task], wave: int | None
@@ -431,7 +432,7 @@ class TaskScheduler:
                 log.warning(
                     "wave %s: %s failed; %s queued task(s) cancelled, %s running asked to "
                     "stop, %s not sent",
-                    index,
+                    index + 1,  # waves are numbered from 1 wherever people read them
                     completion.task_name or completion.log_id,
                     cancelled,
                     stopping,

@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -37,9 +37,11 @@ class PlanRunner:
         max_in_flight: int | None = None,
         target: str | None = None,
         serve: bool = False,
+        serve_skip: Collection[str] = (),
         as_json: bool = False,
     ) -> None:
         self.broker = broker
+        self.serve_skip = serve_skip  # activation procedures --serve leaves to others
         self.plan = plan
         self.policy = policy or plan.policy
         self.max_in_flight = max_in_flight or plan.max_in_flight
@@ -98,7 +100,9 @@ class PlanRunner:
         if not self.serve:
             yield
             return
-        with activation.running(self.broker, empty_grace=0.2, check_interval=0.5):
+        with activation.running(
+            self.broker, empty_grace=0.2, check_interval=0.5, skip_procedures=self.serve_skip
+        ):
             yield
 
     @contextlib.contextmanager
@@ -292,7 +296,7 @@ def print_status(broker: Broker, *, limit: int = 20, as_json: bool = False) -> N
         r["spark_application_id"]: r["spark_ui_url"] for r in recent if r["spark_application_id"]
     }
     for application, ui_url in applications.items():
-        out.print(f"Spark application {application}: UI {ui_url or 'off (spark.ui.enabled=false)'}")
+        out.print(f"Spark application {application}: UI {ui_url or 'not recorded'}")
     if semaphores:
         table = Table(title="semaphores")
         for column in ("semaphore", "permits", "held"):

@@ -463,3 +463,31 @@ def test_readers_are_threads_of_the_driver_up_to_its_cap(
     assert len(readers) == 2  # max_readers=2: two threads shared the four tasks
     spans = sorted((r["start_time"], r["end_time"]) for r in log)
     assert spans[0][1] > spans[1][0]  # the first two ran at the same time
+
+
+def test_a_priority_for_one_initiator_service_raises_only_its_schedulers(
+    spark_broker: Broker,
+) -> None:
+    # The per-initiator form docs/spark.md shows: only "urgent" schedulers get level 9,
+    # so only their tasks go to the priority_9 pool.
+    from scheduler_lib.scheduler import Names, Target, init
+
+    init(spark_broker, targets=[Target(activation=False)])
+    spark_broker.create_queue("UrgentInitiatorQueue")
+    spark_broker.create_service("UrgentInitiator", "UrgentInitiatorQueue")
+    spark_broker.create_priority(
+        "urgent",
+        contract="AsyncContract",
+        local_service="ServiceAsyncTarget",
+        remote_service="UrgentInitiator",
+        level=9,
+    )
+    urgent = TaskScheduler(
+        spark_broker,
+        names=Names(initiator_queue="UrgentInitiatorQueue", initiator_service="UrgentInitiator"),
+    )
+    usual = TaskScheduler(spark_broker)
+    urgent.exec_async(urgent.get_scheduler(), {"kind": "sql", "sql": "SELECT 1"})
+    usual.exec_async(usual.get_scheduler(), {"kind": "sql", "sql": "SELECT 2"})
+    levels = [m.priority for m in spark_broker.peek("QueueAsyncTarget")]
+    assert [pool_for(level) for level in levels] == ["priority_9", "priority_5"]

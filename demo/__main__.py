@@ -1,0 +1,5 @@
+"""``python -m demo``."""
+
+from demo.cli import main
+
+raise SystemExit(main())
