@@ -38,7 +38,7 @@ from scheduler_lib.broker import (
 from scheduler_lib.broker.poison import Lease, PoisonEvent
 from scheduler_lib.scheduler import catalog
 from scheduler_lib.scheduler.errors import InvalidTask, KindNotAllowed
-from scheduler_lib.scheduler.kinds import Task, TaskContext, as_task, get_kind
+from scheduler_lib.scheduler.kinds import Task, TaskContext, as_task, get_kind, job_group_of
 from scheduler_lib.scheduler.semaphores import Semaphores
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,8 @@ class Executor:
         broker's own database, as the blog's ``exec(@SQL)`` does)
     :param worker: who runs a task, for ``execution_log.worker_id`` (default: host,
         process and reader; the Spark worker adds its application id)
+    :param spark_application: (application id, UI URL) of the Spark application this
+        executor's tasks run in, recorded with each task's start
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Executor:
         sql_url: str | None = None,
         idle_timeout: float | None = None,
         worker: Callable[[], str] | None = None,
+        spark_application: tuple[str, str | None] | None = None,
     ) -> None:
         catalog.prepare(broker)
         self.broker = broker
@@ -95,6 +98,7 @@ class Executor:
         )
         self.semaphores = Semaphores(broker)
         self.worker = worker or worker_id
+        self.spark_application = spark_application
         self._cancels = CancelWatcher.of(broker)
         self._targets: tuple[float, dict[str, frozenset[str]]] | None = None
 
@@ -170,11 +174,15 @@ class Executor:
                 self._answer(tx, message, log_id, FAILED, error, None)
                 tx.complete(lease)
             return None
+        application, job_group, ui_url = self._spark_at_start(task, log_id)
         started = self.broker.run(
             "log_start",
             log_id=log_id,
             worker=self.worker(),
             activated_task_id=activation.current_reader(),
+            application_id=application,
+            job_group=job_group,
+            ui_url=ui_url,
             now=time.time(),
         )
         if not started:
@@ -187,6 +195,15 @@ class Executor:
                 tx.complete(lease)
             return None
         return log_id, task
+
+    def _spark_at_start(self, task: Task, log_id: int) -> tuple[str | None, str | None, str | None]:
+        """(application, job group, UI) recorded with the start: known up front when the
+        task runs in this executor's Spark application, in a group its kind names."""
+        group = job_group_of(get_kind(task.kind), log_id)
+        if self.spark_application is None or group is None:
+            return None, None, None
+        application, ui_url = self.spark_application
+        return application, group, ui_url
 
     def _allowed(self, service: str) -> frozenset[str]:
         now = time.monotonic()
@@ -208,9 +225,13 @@ class Executor:
     # --- running ---------------------------------------------------------------------
 
     def _run(self, lease: Lease, log_id: int, task: Task) -> None:
+        recorded = self._spark_at_start(task, log_id)
+
         def record_spark(
             application_id: str | None, job_group: str | None, ui_url: str | None
         ) -> None:
+            if recorded == (application_id, job_group, ui_url):
+                return  # written with the start
             self.broker.run(
                 "log_spark",
                 log_id=log_id,

@@ -125,7 +125,8 @@ class TaskContext:
     task: Task
     sql_url: str  # where ``sql`` tasks run
     record_spark: Callable[[str | None, str | None, str | None], None]
-    """(application id, job group, Spark UI URL): where the task runs, for the log."""
+    """(application id, job group, Spark UI URL): where the task runs, for the log (a
+    no-op when the start already recorded the same)."""
     priority: int = 5  # the conversation's priority level (1..10)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     cancel_reason: str | None = None
@@ -179,6 +180,13 @@ class TaskKind(Protocol):
     def describe(self, spec: Mapping[str, Any]) -> str:
         """A short label for the log when the task has no name."""
         ...
+
+
+def job_group_of(kind: TaskKind, log_id: int) -> str | None:
+    """The Spark job group a kind runs a task in, when it says so up front (an optional
+    ``job_group(log_id)`` method): the executor records it with the task's start."""
+    job_group = getattr(kind, "job_group", None)
+    return None if job_group is None else job_group(log_id)
 
 
 KINDS: dict[str, TaskKind] = {}

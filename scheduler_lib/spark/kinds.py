@@ -60,24 +60,25 @@ def job_group(log_id: int) -> str:
 @contextlib.contextmanager
 def spark_job(context: TaskContext) -> Iterator[SparkSession]:
     """The worker's session, with the calling thread's jobs in the task's job group and
-    its priority's pool for the ``with`` block; a cancel of the task cancels the group."""
+    its priority's pool for the ``with`` block; a cancel of the task cancels the group.
+
+    Two py4j calls set it up (each is a round trip to the JVM). The properties stay on the
+    reader's thread after the task: that thread starts no job before its next task sets
+    them again.
+    """
     spark = sessions.current()
     sc = spark.sparkContext
     group = job_group(context.log_id)
-    properties = {
-        "spark.jobGroup.id": group,
-        "spark.job.description": f"{context.task.label} (log {context.log_id})",
-        # Interrupt the executor threads of a cancelled job, not only its future stages.
-        "spark.job.interruptOnCancel": "true",
-        "spark.scheduler.pool": sessions.pool_for(context.priority),
-    }
-    context.record_spark(sc.applicationId, group, sc.uiWebUrl)
-    with sessions.local_properties(spark, properties):
-        forget = context.on_cancel(lambda: sc.cancelJobGroup(group))
-        try:
-            yield spark
-        finally:
-            forget()
+    application, ui_url = sessions.identity(spark)
+    context.record_spark(application, group, ui_url)
+    # interruptOnCancel: a cancel interrupts the job's running Spark tasks too.
+    sc.setJobGroup(group, f"{context.task.label} (log {context.log_id})", True)
+    sc.setLocalProperty("spark.scheduler.pool", sessions.pool_for(context.priority))
+    forget = context.on_cancel(lambda: sc.cancelJobGroup(group))
+    try:
+        yield spark
+    finally:
+        forget()
 
 
 def _check_cancelled(context: TaskContext) -> None:
@@ -145,6 +146,7 @@ class SparkSqlKind:
     """
 
     name = "spark_sql"
+    job_group = staticmethod(job_group)
 
     def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
         _only(spec, ("sql", "args", "output", "collect"), where)
@@ -246,6 +248,7 @@ class PySparkKind:
     rows)."""
 
     name = "pyspark"
+    job_group = staticmethod(job_group)
 
     def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
         _only(spec, ("callable", "args", "kwargs", "collect"), where)

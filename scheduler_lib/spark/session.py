@@ -11,10 +11,11 @@ priority-1 scheduler's while both run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from xml.sax.saxutils import quoteattr
 
@@ -109,6 +110,14 @@ def build(
     return spark
 
 
+@functools.cache
+def identity(spark: SparkSession) -> tuple[str, str | None]:
+    """(application id, Spark UI URL) of a session: fixed for its life, asked of the JVM
+    once (each py4j call is a round trip)."""
+    sc = spark.sparkContext
+    return sc.applicationId, sc.uiWebUrl
+
+
 def under_spark_submit() -> bool:
     """Whether spark-submit started this process (its JVM is already up and holds the
     master and settings from spark-submit's command line)."""
@@ -144,16 +153,3 @@ def current() -> SparkSession:
             "(or after scheduler_lib.spark.session.use(spark))"
         )
     return spark
-
-
-@contextlib.contextmanager
-def local_properties(spark: SparkSession, properties: Mapping[str, str]) -> Iterator[None]:
-    """Set Spark local properties for the calling thread, and clear them after."""
-    sc = spark.sparkContext
-    for key, value in properties.items():
-        sc.setLocalProperty(key, value)
-    try:
-        yield
-    finally:
-        for key in properties:
-            sc.setLocalProperty(key, None)  # type: ignore[arg-type]

@@ -50,13 +50,13 @@ def serve(broker: Broker, queue: str) -> None:
     :raises NoSparkSession: in a process that is not a Spark worker
     """
     spark = session.current()
-    application = spark.sparkContext.applicationId
+    application, ui_url = session.identity(spark)
     host, pid = socket.gethostname(), os.getpid()
 
     def worker() -> str:  # host:process:reader:application — the blog's SPID, for Spark
         return f"{host}:{pid}:{threading.current_thread().name}:{application}"
 
-    Executor(broker, queue, worker=worker).serve()
+    Executor(broker, queue, worker=worker, spark_application=(application, ui_url)).serve()
 
 
 class Worker:

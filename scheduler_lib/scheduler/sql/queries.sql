@@ -32,9 +32,12 @@ RETURNING log_id;
 -- name: log_start
 -- The executor starts the task (or, after its worker died, starts it again): who and
 -- when. No row changed: the task was cancelled (or already ended) meanwhile.
+-- Where it will run on Spark, when the worker knows it already (saves a statement).
 UPDATE execution_log
 SET status = 'RUNNING', start_time = :now, worker_id = :worker,
-    activated_task_id = :activated_task_id, attempts = attempts + 1
+    activated_task_id = :activated_task_id, attempts = attempts + 1,
+    spark_application_id = :application_id, spark_job_group = :job_group,
+    spark_ui_url = :ui_url
 WHERE log_id = :log_id AND status IN ('QUEUED', 'RUNNING');
 
 -- name: log_spark
