@@ -9,6 +9,9 @@ Run from the repository root::
     .venv/bin/python -m bench.spark_overhead --db both       # one after the other
     .venv/bin/python -m bench.spark_overhead --quick         # ~1 min smoke run
 
+    # what produced the figures in docs/benchmarks.md (~10 min)
+    .venv/bin/python -m bench.spark_overhead --db both --rounds 7 --profile --wait-idle 300
+
 One SparkSession (``scheduler_lib.spark.session.build``: FAIR pools; master --master,
 ``local[2]``; UI off) serves both sides. Per backend, a fresh database (PostgreSQL:
 created, afterwards dropped; SQLite: a file in a temporary directory) and one Spark
@@ -34,22 +37,28 @@ Both ``ours`` figures are the wall time of ``run_waves`` (check, send in one
 transaction, run, every completion received). Before direct and before cold the worker's
 readers have left. Rounds (--rounds, 5) take turns: direct, cold, warm in even rounds;
 cold, warm, direct in odd ones; with --wait-idle, each round first waits (up to that
-long) for the machine to be quiet. Before the rounds, one uncounted direct pass and one
-uncounted wave warm up the JVM (JIT, Spark's planner), the connections and the imports.
+long) for the machine to be quiet. Before the rounds, --warmup (3) uncounted passes of
+each side warm up the JVM, the connections and the imports: Spark keeps getting faster
+(JIT) for the first ~2,000 queries: with one warm-up pass of each side, the direct passes
+of rounds 1, 2, 3 took 10.9, 8.5 and 7.9 s on a quiet 2-core machine.
 Reported: the median of each side, the ratios of medians (ours / direct; target <= 1.10,
 the issue's acceptance point), and each round's own ratio. From ``execution_log``
 (``sent_at``, ``start_time``, ``end_time`` and ``worker_id`` per task) each wave also
 splits into: dispatch (wave start -> first task start), ramp-up (-> every reader has
-started a task), a task's time on its reader (start -> end: the durable start commit is
-before ``start_time``, so this is recording the Spark job, the job group's local
-properties and the Spark work), the gap between two tasks on a reader (finish and answer
-in one transaction, the next take, the next start commit) and the tail (last task end ->
-``run_waves`` returned). Each side's CPU is accounted as in ``bench.broker_throughput``:
-foreign work (another Spark application, say) is reported, as it makes the figures noisy.
+started a task), a task's time on its reader (start -> end: ``start_time`` is taken just
+before the durable start commit and ``end_time`` as the finish transaction begins, so this
+is the start commit, the job group's setup and the Spark work), the gap between two tasks
+on a reader (the finish and answer transaction, the next take, the task's parsing) and
+the tail (last task end -> ``run_waves`` returned). Each side's CPU is accounted as in
+``bench.broker_throughput`` and split into the Python driver (this process), the JVM (the
+rest of its process group: Spark's driver and, in local mode, executors) and the
+database's backends (PostgreSQL; SQLite works inside this process); foreign work
+(another Spark application, say) is reported, as it makes the figures noisy.
 
 --profile adds an instrumented pass after the rounds (not counted in the figures): the
 executor, the broker and the ``spark_sql`` kind are wrapped from this script (nothing in
-``scheduler_lib`` changes) to time each step of a task on its reader.
+``scheduler_lib`` changes) to time each step of a task on its reader, in wall time and
+in the reader thread's CPU time.
 
 Prints one JSON object on stdout, progress on stderr, and appends a dated section to
 docs/benchmarks.md (unless --no-docs).
@@ -94,6 +103,7 @@ BACKENDS = ("postgresql", "sqlite")
 TASKS = 200
 READERS = 4
 ROUNDS = 5
+WARMUP = 3  # uncounted passes of each side: the JIT keeps speeding Spark up for ~2000 queries
 MASTER = "local[2]"
 READER_IDLE = 2.0  # seconds a reader waits for work before it leaves
 STATEMENT = "SELECT count(*) AS n FROM range({rows})"
@@ -236,12 +246,21 @@ class CpuWindow:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        after = process_cpu()
         backends = our_backends(self.url) if self.url.startswith("postgresql") else set()
-        accounts = cpu_accounts(self.before, process_cpu(), backends)
+        accounts = cpu_accounts(self.before, after, backends)
         machine = (time.monotonic() - self.t0) * (os.cpu_count() or 1)
         self.pct = {k: round(100 * v / machine, 1) for k, v in accounts.items()}
-        # this run's CPU: the driver process, its JVM (same process group), its backends
-        self.ours_s = round(accounts["clients"] + accounts["backends"], 2)
+        # This run's CPU seconds: the Python driver, its JVM (the rest of the process
+        # group: Spark's driver and executors in local mode) and its PostgreSQL backends.
+        me = os.getpid()
+        python = after[me][0] - self.before[me][0]
+        self.seconds = {
+            "total": round(accounts["clients"] + accounts["backends"], 2),
+            "python": round(python, 2),
+            "jvm": round(accounts["clients"] - python, 2),
+            "backends": round(accounts["backends"], 2),
+        }
 
 
 # --- the run ---------------------------------------------------------------------------
@@ -268,17 +287,17 @@ def measure(backend: str, spark: Any, direct: Direct, args: argparse.Namespace) 
         worker = sl_spark.Worker(broker, spark=spark, max_readers=args.readers).start()
         try:
             ours = Ours(broker, worker)
-            log(f"{backend}: warm-up (one uncounted pass of each side)")
-            direct.run(stmts)
-            ours.run(stmts)
-            ours.drain()
+            for w in range(args.warmup):
+                log(f"{backend}: warm-up {w + 1}/{args.warmup} (an uncounted pass of each side)")
+                direct.run(stmts)
+                ours.run(stmts)
 
             def side(name: str) -> None:
                 if name != "warm":
                     ours.drain()
                 with CpuWindow(url) as cpu:
                     result = direct.run(stmts) if name == "direct" else ours.run(stmts)
-                result["cpu_pct"], result["cpu_s"] = cpu.pct, cpu.ours_s
+                result["cpu_pct"], result["cpu_s"] = cpu.pct, cpu.seconds
                 samples[name].append(result)
                 log(
                     f"{backend}: round {len(samples[name])}/{args.rounds} {name}: "
@@ -315,7 +334,10 @@ def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 statistics.mean(s["cpu_pct"]["foreign"] for s in samples[side]), 1
             ),
             "foreign_cpu_pct_max": max(s["cpu_pct"]["foreign"] for s in samples[side]),
-            "cpu_s_median": round(statistics.median(s["cpu_s"] for s in samples[side]), 2),
+            "cpu_s_median": {
+                part: round(statistics.median(s["cpu_s"][part] for s in samples[side]), 2)
+                for part in samples[side][0]["cpu_s"]
+            },
             "rounds": samples[side],
         }
     for side in ("cold", "warm"):
@@ -348,21 +370,28 @@ def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 class Profile:
-    """Times the steps of a task on its reader by wrapping (for one pass, then restoring)
-    the executor's, the broker's and the ``spark_sql`` kind's methods."""
+    """Times the steps of a task on its reader — wall time, and the reader thread's own
+    CPU time (Python; not the JVM's, not the database's) — by wrapping, for one pass, the
+    executor's, the broker's and the ``spark_sql`` kind's methods (restored after)."""
 
     def __init__(self) -> None:
-        self.samples: dict[str, list[float]] = collections.defaultdict(list)
+        self.samples: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
         self.local = threading.local()
         self.lock = threading.Lock()
         self.saved: list[tuple[Any, str, Any]] = []
 
-    def add(self, step: str, seconds: float) -> None:
-        with self.lock:
-            self.samples[step].append(seconds)
-
     def reader(self) -> bool:
         return getattr(self.local, "task", False)
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            sample = (time.perf_counter() - wall, time.thread_time() - cpu)
+            with self.lock:
+                self.samples[name].append(sample)
 
     def wrap(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
         self.saved.append((owner, attr, vars(owner).get(attr)))
@@ -376,62 +405,70 @@ class Profile:
                 setattr(owner, attr, value)
         self.saved.clear()
 
-    def timed(self, step: str, when: Callable[[Any], bool] | None = None) -> Callable[[Any], Any]:
-        """A wrapper factory: ``step``'s time in readers (when ``when(result)``)."""
+    def timed(self, name: str | Callable[..., str]) -> Callable[[Any], Any]:
+        """A wrapper factory: the step's time, in readers only (``name`` may be a function
+        of the call's arguments)."""
 
         def make(original: Any) -> Any:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 if not self.reader():
                     return original(*args, **kwargs)
-                t0 = time.perf_counter()
-                result = original(*args, **kwargs)
-                if when is None or when(result):
-                    self.add(step, time.perf_counter() - t0)
-                return result
+                with self.step(name if isinstance(name, str) else name(*args, **kwargs)):
+                    return original(*args, **kwargs)
 
             return wrapper
 
         return make
 
     def install(self, spark: Any) -> None:
+        from scheduler_lib.broker import END_DIALOG, ERROR
         from scheduler_lib.scheduler.executor import Executor
         from scheduler_lib.spark import kinds
 
-        profile = self
+        profile, local = self, self.local
 
         def run_one(original: Any) -> Any:
             def wrapper(executor: Any, *args: Any, **kwargs: Any) -> Any:
-                self.local.task, self.local.ran = True, False
-                t0 = time.perf_counter()
+                local.task, local.ran = True, False
+                wall, cpu = time.perf_counter(), time.thread_time()
                 try:
                     took = original(executor, *args, **kwargs)
                 finally:
-                    self.local.task = False
-                if took:
-                    self.add("whole task on the reader (run_one)", time.perf_counter() - t0)
+                    local.task = False
+                if local.ran:
+                    sample = (time.perf_counter() - wall, time.thread_time() - cpu)
+                    with self.lock:
+                        self.samples["whole task on the reader (run_one)"].append(sample)
                 return took
 
             return wrapper
 
-        def broker_run(original: Any) -> Any:
-            def wrapper(broker: Any, query: str, /, **params: Any) -> Any:
+        def take(original: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
                 if not self.reader():
-                    return original(broker, query, **params)
-                t0 = time.perf_counter()
-                result = original(broker, query, **params)
-                self.add(f"broker.run {query}", time.perf_counter() - t0)
-                return result
+                    return original(*args, **kwargs)
+                wall, cpu = time.perf_counter(), time.thread_time()
+                leases = original(*args, **kwargs)
+                if leases:  # an empty take is a reader waiting for work, not overhead
+                    sample = (time.perf_counter() - wall, time.thread_time() - cpu)
+                    with self.lock:
+                        self.samples["take (lease)"].append(sample)
+                return leases
 
             return wrapper
 
+        def start_step(executor: Any, lease: Any) -> str:
+            if lease.message.message_type_name in (END_DIALOG, ERROR):
+                return "EndDialog of a released scheduler (end_conversation)"
+            return "start (parse, check, log_start commit)"
+
         def kind_run(original: Any) -> Any:
-            def wrapper(kind: Any, *args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
                 try:
-                    return original(kind, *args, **kwargs)
+                    with self.step("kind.run (spark_sql)"):
+                        return original(*args, **kwargs)
                 finally:
-                    self.add("kind.run (spark_sql)", time.perf_counter() - t0)
-                    self.local.ran = True
+                    local.ran = True
 
             return wrapper
 
@@ -440,47 +477,45 @@ class Profile:
 
             def __init__(self, inner: Any) -> None:
                 self.inner = inner
+                self.step = profile.step("finish + answer transaction")
 
             def __enter__(self) -> Any:
-                self.t0 = time.perf_counter()
+                self.step.__enter__()
                 return self.inner.__enter__()
 
             def __exit__(self, *exc: Any) -> Any:
                 try:
                     return self.inner.__exit__(*exc)
                 finally:
-                    profile.add("finish + answer transaction", time.perf_counter() - self.t0)
+                    self.step.__exit__(None, None, None)
 
         def transaction(original: Any) -> Any:
-            def wrapper(broker: Any, *args: Any, **kwargs: Any) -> Any:
-                cm = original(broker, *args, **kwargs)
-                if self.reader() and getattr(self.local, "ran", False):
-                    return TimedFinish(cm)
-                return cm
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                cm = original(*args, **kwargs)
+                return TimedFinish(cm) if self.reader() and local.ran else cm
 
             return wrapper
 
         def spark_job(original: Any) -> Any:
             @contextlib.contextmanager
             def wrapper(context: Any) -> Iterator[Any]:
-                t0 = time.perf_counter()
+                entering = self.step("spark_job enter (job group, pool; log_spark if any)")
+                entering.__enter__()
                 with original(context) as session:
-                    self.add(
-                        "spark_job enter (log_spark, local properties)", time.perf_counter() - t0
-                    )
+                    entering.__exit__(None, None, None)
                     try:
                         yield session
                     finally:
-                        t1 = time.perf_counter()
-                self.add("spark_job exit (clear local properties)", time.perf_counter() - t1)
+                        leaving = self.step("spark_job exit")
+                        leaving.__enter__()
+                leaving.__exit__(None, None, None)
 
             return wrapper
 
-        took = self.timed("take (lease)", when=bool)
         self.wrap(Executor, "run_one", run_one)
-        self.wrap(Executor, "_start", self.timed("start (parse, check, log_start commit)"))
-        self.wrap(Broker, "take", took)
-        self.wrap(Broker, "run", broker_run)
+        self.wrap(Executor, "_start", self.timed(start_step))
+        self.wrap(Broker, "take", take)
+        self.wrap(Broker, "run", self.timed(lambda broker, query, **_: f"broker.run {query}"))
         self.wrap(Broker, "transaction", transaction)
         self.wrap(kinds.SparkSqlKind, "run", kind_run)
         self.wrap(kinds, "spark_job", spark_job)
@@ -488,15 +523,18 @@ class Profile:
         self.wrap(spark, "sql", self.timed("spark.sql (parse, analyze)"))
 
     def summary(self) -> dict[str, Any]:
-        """Per step: mean and p50 ms over the tasks it was timed in (on a warm wave a
-        reader's first task began before the wrappers were in place: fewer samples)."""
+        """Per step: wall mean and p50 ms, the reader thread's CPU mean ms, over the tasks
+        it was timed in (on a warm wave a reader's first task began before the wrappers
+        were in place: fewer samples)."""
         return {
-            step: {
-                "mean_ms": round(1000 * statistics.mean(values), 2),
-                "p50_ms": round(1000 * statistics.median(values), 2),
+            name: {
+                "mean_ms": round(1000 * statistics.mean(w for w, _ in values), 2),
+                "p50_ms": round(1000 * statistics.median(w for w, _ in values), 2),
+                "max_ms": round(1000 * max(w for w, _ in values), 2),
+                "cpu_mean_ms": round(1000 * statistics.mean(c for _, c in values), 2),
                 "count": len(values),
             }
-            for step, values in self.samples.items()
+            for name, values in self.samples.items()
         }
 
 
@@ -525,13 +563,14 @@ PROFILE_STEPS = {  # step -> its name in the docs, in the order a task goes thro
     "take (lease)": "take",
     "start (parse, check, log_start commit)": "start (log_start commit)",
     "broker.run log_spark": "log_spark",
-    "spark_job enter (log_spark, local properties)": "job group entered (log_spark incl.)",
+    "spark_job enter (job group, pool; log_spark if any)": "job group set (log_spark incl.)",
     "spark.sql (parse, analyze)": "spark.sql",
     "preview (take, columns, rows)": "take(1) + rows",
-    "spark_job exit (clear local properties)": "job group left",
+    "spark_job exit": "job group left",
     "finish + answer transaction": "finish + answer txn",
     "whole task on the reader (run_one)": "whole task",
 }
+END_DIALOG_STEP = "EndDialog of a released scheduler (end_conversation)"
 
 
 def profile_rows(name: str, profile: dict[str, Any]) -> list[tuple[str, Any, str, str]]:
@@ -541,13 +580,27 @@ def profile_rows(name: str, profile: dict[str, Any]) -> list[tuple[str, Any, str
         steps = profile[wave]["steps"]
         rows.append(
             (
-                f"{name}, --profile {wave} wave ({profile[wave]['wall_s']} s), mean ms per "
-                "task: " + " / ".join(PROFILE_STEPS.values()),
-                " / ".join(str(steps[s]["mean_ms"]) if s in steps else "-" for s in PROFILE_STEPS),
+                f"{name}, --profile {wave} wave ({profile[wave]['wall_s']} s), per task, mean "
+                "wall ms (reader thread's CPU ms): " + " / ".join(PROFILE_STEPS.values()),
+                " / ".join(
+                    f"{steps[s]['mean_ms']} ({steps[s]['cpu_mean_ms']})" if s in steps else "-"
+                    for s in PROFILE_STEPS
+                ),
                 "",
                 "",
             )
         )
+        if END_DIALOG_STEP in steps:
+            ended = steps[END_DIALOG_STEP]
+            rows.append(
+                (
+                    f"{name}, --profile {wave} wave: a reader ending the previous wave's "
+                    "scheduler conversation (EndDialog), wall ms, max (count)",
+                    f"{ended['max_ms']} ({ended['count']})",
+                    "",
+                    "",
+                )
+            )
     d = profile["direct"]
     rows.append(
         (
@@ -630,9 +683,18 @@ def markdown_section(report: dict[str, Any]) -> str:
                 "",
             ),
             (
-                f"{name}: CPU s of this run (driver, JVM, its backends) per pass, median "
-                "direct / cold / warm",
-                " / ".join(str(r[s]["cpu_s_median"]) for s in SIDES),
+                f"{name}: CPU s per pass, median, all of this run (Python driver + JVM + "
+                "its backends), direct / cold / warm",
+                " / ".join(str(r[s]["cpu_s_median"]["total"]) for s in SIDES),
+                "",
+                "",
+            ),
+            (
+                f"{name}: of which Python driver ; JVM ; backends, direct / cold / warm",
+                " ; ".join(
+                    " / ".join(str(r[s]["cpu_s_median"][part]) for s in SIDES)
+                    for part in ("python", "jvm", "backends")
+                ),
                 "",
                 "",
             ),
@@ -659,7 +721,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         f"take({COLLECT})) on one SparkSession (master {c['master']}): through the "
         f"scheduler (`run_waves`, one wave of `spark_sql` tasks, a Spark worker with "
         f"{c['readers']} readers) vs. a thread pool of {c['readers']} on the same session; "
-        f"{c['rounds']} rounds taking turns, after one uncounted pass of each. Cold: no "
+        f"{c['rounds']} rounds taking turns, after {c['warmup_passes']} uncounted passes "
+        "of each. Cold: no "
         "reader running when the wave is sent (ramp-up included); warm: the readers of the "
         "cold wave still up. Design in `bench/spark_overhead.py`'s docstring.",
         rows,
@@ -678,6 +741,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, help=f"statements per wave (default {TASKS})")
     parser.add_argument("--readers", type=int, default=READERS, help="readers = pool threads")
     parser.add_argument("--rounds", type=int, help=f"rounds (default {ROUNDS}; quick 1)")
+    parser.add_argument(
+        "--warmup", type=int, help=f"uncounted passes of each side (default {WARMUP}; quick 1)"
+    )
     parser.add_argument("--master", default=MASTER, help="Spark master")
     parser.add_argument(
         "--reader-idle", type=float, default=READER_IDLE, help="seconds before a reader leaves"
@@ -694,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.tasks = args.tasks or (40 if args.quick else TASKS)
     args.rounds = args.rounds or (1 if args.quick else ROUNDS)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else WARMUP)
     backends = BACKENDS if args.db == "both" else (args.db,)
     # Read by each executor when it starts: set before the worker starts any.
     os.environ["SCHEDULER_LIB_EXECUTOR_IDLE"] = str(args.reader_idle)
@@ -716,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
             "tasks": args.tasks,
             "readers": args.readers,
             "rounds": args.rounds,
+            "warmup_passes": args.warmup,
             "master": args.master,
             "reader_idle_s": args.reader_idle,
             "statement": STATEMENT,

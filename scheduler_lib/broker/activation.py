@@ -186,6 +186,7 @@ class ActivationRuntime:
         self._lock = threading.Lock()
         self._listening: set[str] = set()
         self._failed_at: dict[str, float] = {}  # queue -> when a reader last failed
+        self._saturated: dict[str, bool] = {}  # queue -> messages wait, no reader may start
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -242,8 +243,9 @@ class ActivationRuntime:
                 self._sync_monitors()
             except Exception:
                 log.warning("activation supervisor: catalog refresh failed", exc_info=True)
-            # An ALTER QUEUE or a new subscription in this process wakes us at once.
-            wakeups.wait(wakeup.CATALOG, seen, self.check_interval)
+            # An ALTER QUEUE or a new subscription in this process wakes us at once; other
+            # processes' are seen within the (idle) interval.
+            wakeups.wait(wakeup.CATALOG, seen, self.idle_check_interval or self.check_interval)
 
     def _sync_monitors(self) -> None:
         with self.broker.transaction() as tx:
@@ -264,8 +266,10 @@ class ActivationRuntime:
     def _monitor(self, queue: str) -> None:
         wakeups = self.broker._wakeups
         try:
+            readers_key = _readers_key(queue)
             while not self._stopped.is_set():
                 seen = wakeups.generation(queue)
+                seen_readers = wakeups.generation(readers_key)
                 try:
                     decision = self.check(queue)
                 except exceptions.QueueNotFound:
@@ -284,7 +288,13 @@ class ActivationRuntime:
                 interval = self._next_check_in(queue)
                 if not decision.messages_ready and self.idle_check_interval is not None:
                     interval = max(interval, self.idle_check_interval)
-                wakeups.wait(queue, seen, interval)
+                if self._saturated.get(queue):
+                    # Every reader this runtime may start runs: arrivals and receives
+                    # (one per task) cannot change that, so only a reader leaving or the
+                    # interval (QUEUE_ACTIVATION events stay on time) wakes us.
+                    wakeups.wait(readers_key, seen_readers, interval)
+                else:
+                    wakeups.wait(queue, seen, interval)
         finally:
             self._listen(queue, False)
             with self._lock:
@@ -325,7 +335,9 @@ class ActivationRuntime:
             info = tx._queue(queue)
             head = tx._scalar("queue_head", queue=queue)
             running = int(tx._scalar("task_count", queue=queue))
+            full = False
             if head is None or not info.is_receive_enabled:
+                self._saturated[queue] = False
                 tx._execute("monitor_idle", queue=queue, now=now)
                 return Decision(queue, head is not None, running, 0, 0)
             stamps = (monitor["last_empty_rowset_at"], self.broker.last_waiting_receiver(queue))
@@ -359,9 +371,17 @@ class ActivationRuntime:
                     )
                     tx._execute("monitor_activated", queue=queue, now=now)
                     started.append((task_id, info.activation_procedure))
+                # This runtime's own cap reached: nothing but a reader leaving lets it start
+                # another. (The queue's max_readers is not used the same way: an ALTER or
+                # another runtime's readers leaving change it, and a check notices those.)
+                full = (
+                    self.reader_cap is not None
+                    and self.readers_of(queue) + len(started) >= self.reader_cap
+                )
             posted = self._post_activation_events(tx, queue, monitor, head, nobody_waiting, now)
         for task_id, procedure in started:
             self._start_reader(task_id, queue, procedure)
+        self._saturated[queue] = full
         return Decision(queue, True, running, len(started), posted)
 
     def _post_activation_events(
@@ -430,7 +450,8 @@ class ActivationRuntime:
             with self._lock:
                 self._readers.pop(task_id, None)
                 self._reader_queues.pop(task_id, None)
-            self.poke(queue)  # "all readers exited" is a reason to re-check at once
+            # "all readers exited" is a reason to re-check at once
+            self.broker._wakeups.notify({queue, _readers_key(queue)})
 
     # --- heartbeats ------------------------------------------------------------------
 
@@ -451,6 +472,11 @@ class ActivationRuntime:
         with self.broker.transaction() as tx:
             tx._execute("tasks_heartbeat", runtime_id=self.runtime_id, now=now)
             return tx._count("tasks_expire", cutoff=now - self.heartbeat_expiry)
+
+
+def _readers_key(queue: str) -> str:
+    """The wakeup key a runtime bumps when one of the queue's readers leaves."""
+    return f"{queue}\x00readers"
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 LIFETIME_EXPIRED_CODE = -8489  # SQL Server's code for "the dialog has exceeded its LIFETIME"
+QUEUE_RECHECK = 1.0  # seconds a waiting RECEIVE trusts the queue's settings
 TIMER_MESSAGE_SEQUENCE = -1  # DialogTimer and lifetime errors are local: no sequence number
 
 
@@ -66,6 +67,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         self._next_deadline: float | None = None  # soonest timer/lease/park this tx set
         self._catalog_changed = False  # activation runtimes look at the catalog again
         self._in_gate = False
+        self._waited_queues: dict[str, tuple[float, QueueInfo]] = {}  # see _receive_once
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -503,7 +505,14 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
             found = self._receive_fast(queue, top, handle)
             if found:
                 return found
-        info = self._queue(queue)
+        # A WAITFOR re-reads the queue's settings at most every QUEUE_RECHECK seconds (so
+        # a queue turned off is noticed while waiting, and an empty wake-up costs one
+        # statement, not two).
+        now = time.monotonic()
+        cached = self._waited_queues.get(queue)
+        if cached is None or now - cached[0] > QUEUE_RECHECK:
+            cached = self._waited_queues[queue] = (now, self._queue(queue))
+        info = cached[1]
         if not info.is_receive_enabled:
             raise info.disabled_error()
         fast_ran = self._store.has("receive_fast") and group_id is None
