@@ -15,7 +15,7 @@ from scheduler_lib.broker import engine as engines
 from scheduler_lib.broker import poison, schema, store, wakeup
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
-from scheduler_lib.broker.models import Validation
+from scheduler_lib.broker.models import QueueInfo, Validation
 from scheduler_lib.broker.poison import Lease, PoisonOperations
 from scheduler_lib.broker.transaction import Transaction
 
@@ -97,6 +97,8 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
         self._lease_keeper: poison.LeaseKeeper | None = None  # started on first use
         self._lease_keeper_lock = threading.Lock()
         self._timer_wakeup = threading.Event()
+        # queue -> (monotonic time read, settings): what RECEIVE checks before it waits
+        self._waited_queues: dict[str, tuple[float, QueueInfo]] = {}
         self._timer_sleeps_until = 0.0  # epoch seconds: when the timer thread looks next
         self._timer_thread: threading.Thread | None = None
         if timers:

@@ -67,7 +67,6 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         self._next_deadline: float | None = None  # soonest timer/lease/park this tx set
         self._catalog_changed = False  # activation runtimes look at the catalog again
         self._in_gate = False
-        self._waited_queues: dict[str, tuple[float, QueueInfo]] = {}  # see _receive_once
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -109,6 +108,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         woken = self._touched_queues | self._received_queues
         if self._catalog_changed:
             woken.add(wakeup.CATALOG)
+            self._broker._waited_queues.clear()  # RECEIVEs here see the change at once
         self._broker._after_commit(frozenset(woken), self._next_deadline)
 
     def rollback(self) -> None:
@@ -505,13 +505,13 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
             found = self._receive_fast(queue, top, handle)
             if found:
                 return found
-        # A WAITFOR re-reads the queue's settings at most every QUEUE_RECHECK seconds (so
-        # a queue turned off is noticed while waiting, and an empty wake-up costs one
-        # statement, not two).
+        # RECEIVEs re-read a queue's settings at most every QUEUE_RECHECK seconds per broker
+        # (a queue turned off elsewhere is noticed that soon, here at once: catalog
+        # changes clear the cache), so an empty look costs one statement, not two.
         now = time.monotonic()
-        cached = self._waited_queues.get(queue)
+        cached = self._broker._waited_queues.get(queue)
         if cached is None or now - cached[0] > QUEUE_RECHECK:
-            cached = self._waited_queues[queue] = (now, self._queue(queue))
+            cached = self._broker._waited_queues[queue] = (now, self._queue(queue))
         info = cached[1]
         if not info.is_receive_enabled:
             raise info.disabled_error()

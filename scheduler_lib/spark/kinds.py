@@ -131,7 +131,10 @@ def _jsonable(value: Any) -> Any:
 def preview(frame: DataFrame, collect: int) -> dict[str, Any]:
     """A query's columns and first ``collect`` rows, as the task's result."""
     rows = frame.take(collect) if collect else []
-    return {"columns": frame.columns, "rows": [_jsonable(r.asDict(recursive=True)) for r in rows]}
+    # The rows carry their column names: asking the DataFrame (its schema, as JSON from
+    # the JVM) costs a round trip and a parse per task, so only an empty result does.
+    columns = list(rows[0].__fields__) if rows else frame.columns
+    return {"columns": columns, "rows": [_jsonable(r.asDict(recursive=True)) for r in rows]}
 
 
 class SparkSqlKind:
