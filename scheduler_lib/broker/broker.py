@@ -292,17 +292,35 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
                 self._lease_keeper = poison.LeaseKeeper(self)
         return self._lease_keeper.holding(leases, interval)
 
-    def _note_blocked_receiver(self, queue: str) -> None:
+    def _note_blocked_receiver(self, queue: str) -> tuple[float | None, float] | None:
         """SQLite: a receiver that must queue for the write gate is waiting in RECEIVE
         too (another transaction holds the database). Noted in memory for this process's
-        queue monitors; a database stamp would need the very lock it waits for."""
+        queue monitors; a database stamp would need the very lock it waits for.
+
+        :return: (the stamp before, the stamp written), for :meth:`_unnote_blocked_receiver`
+            — or ``None`` when the gate was free (nothing noted)
+        """
         gate = self._write_gate
         if gate is None:
-            return
+            return None
         if gate.acquire(blocking=False):
             gate.release()
-            return
-        self._waiting_noted[queue] = self.clock()
+            return None
+        before, now = self._waiting_noted.get(queue), self.clock()
+        self._waiting_noted[queue] = now
+        return before, now
+
+    def _unnote_blocked_receiver(self, queue: str, noted: tuple[float | None, float]) -> None:
+        """The receiver got messages once through the gate: it was busy, not idle. Its note
+        would read as "a reader waits for work" and hold back activation while messages
+        pile up (on SQLite the gate is busy most of the time under load), so take it back
+        unless someone noted since."""
+        before, stamp = noted
+        if self._waiting_noted.get(queue) == stamp:
+            if before is None:
+                self._waiting_noted.pop(queue, None)
+            else:
+                self._waiting_noted[queue] = before
 
     def last_waiting_receiver(self, queue: str) -> float | None:
         """When a receiver of this process last waited on the queue without the database

@@ -604,10 +604,13 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         try:
             while True:
                 seen = broker._wakeups.generation(queue)
+                noted = None
                 if unfiltered and not self._in_gate:
-                    broker._note_blocked_receiver(queue)
+                    noted = broker._note_blocked_receiver(queue)
                 found = attempt()
                 if found:
+                    if noted is not None:
+                        broker._unnote_blocked_receiver(queue, noted)
                     self._received_queues.add(queue)
                     return found
                 self._release_while_idle()
