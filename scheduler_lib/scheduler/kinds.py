@@ -216,20 +216,8 @@ class PythonKind:
     name = "python"
 
     def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
-        _only(spec, ("callable", "args", "kwargs"), where)
-        target = spec.get("callable")
-        if not isinstance(target, str) or not target.replace(":", ".").count("."):
-            raise InvalidTask(
-                f"{where}: field 'callable' must be a dotted path like "
-                f"'package.module:function', got {target!r}"
-            )
-        args = spec.get("args", [])
-        if not isinstance(args, list):
-            raise InvalidTask(f"{where}: field 'args' must be a list, got {args!r}")
-        kwargs = spec.get("kwargs", {})
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise InvalidTask(f"{where}: field 'kwargs' must be an object, got {kwargs!r}")
-        return {"callable": target, "args": args, "kwargs": kwargs}
+        only_fields(spec, ("callable", "args", "kwargs"), where)
+        return callable_fields(spec, where)
 
     def run(self, spec: Mapping[str, Any], context: TaskContext) -> Any:
         function = resolve(spec["callable"], "task callable")
@@ -247,7 +235,7 @@ class SqlKind:
     name = "sql"
 
     def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
-        _only(spec, ("sql",), where)
+        only_fields(spec, ("sql",), where)
         statements = spec.get("sql")
         if isinstance(statements, str):
             statements = [statements]
@@ -283,7 +271,26 @@ def _sql_engine(url: str) -> sa.Engine:
     return engines.create_engine(url, pool_pre_ping=True)
 
 
-def _only(spec: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+def callable_fields(spec: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A task's ``callable`` (a dotted path), ``args`` (a list) and ``kwargs`` (an
+    object), checked: what kinds that call a function take (``python``, ``pyspark``)."""
+    target = spec.get("callable")
+    if not isinstance(target, str) or not target.replace(":", ".").count("."):
+        raise InvalidTask(
+            f"{where}: field 'callable' must be a dotted path like "
+            f"'package.module:function', got {target!r}"
+        )
+    args = spec.get("args", [])
+    if not isinstance(args, list):
+        raise InvalidTask(f"{where}: field 'args' must be a list, got {args!r}")
+    kwargs = spec.get("kwargs", {})
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidTask(f"{where}: field 'kwargs' must be an object, got {kwargs!r}")
+    return {"callable": target, "args": args, "kwargs": kwargs}
+
+
+def only_fields(spec: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    """Refuse fields a kind does not take, naming them."""
     unknown = sorted(set(spec) - set(allowed))
     if unknown:
         raise InvalidTask(

@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler_lib.broker.activation import resolve
 from scheduler_lib.scheduler.errors import InvalidTask
-from scheduler_lib.scheduler.kinds import TaskContext, register_kind
+from scheduler_lib.scheduler.kinds import (
+    TaskContext,
+    callable_fields,
+    only_fields,
+    register_kind,
+)
 from scheduler_lib.spark import session as sessions
 
 if TYPE_CHECKING:
@@ -100,15 +105,6 @@ def _collect_field(spec: Mapping[str, Any], where: str) -> int:
     return collect
 
 
-def _only(spec: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
-    unknown = sorted(set(spec) - set(allowed))
-    if unknown:
-        raise InvalidTask(
-            f"{where}: unknown field(s) {unknown}; this kind takes {list(allowed)} "
-            "and ['kind', 'name', 'semaphore']"
-        )
-
-
 def _jsonable(value: Any) -> Any:
     """Spark rows hold dates, decimals, bytes: make them JSON (as text where needed)."""
     if value is None or isinstance(value, bool | int | float | str):
@@ -152,7 +148,7 @@ class SparkSqlKind:
     job_group = staticmethod(job_group)
 
     def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
-        _only(spec, ("sql", "args", "output", "collect"), where)
+        only_fields(spec, ("sql", "args", "output", "collect"), where)
         statements = spec.get("sql")
         if isinstance(statements, str):
             statements = [statements]
@@ -254,25 +250,8 @@ class PySparkKind:
     job_group = staticmethod(job_group)
 
     def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
-        _only(spec, ("callable", "args", "kwargs", "collect"), where)
-        target = spec.get("callable")
-        if not isinstance(target, str) or not target.replace(":", ".").count("."):
-            raise InvalidTask(
-                f"{where}: field 'callable' must be a dotted path like "
-                f"'package.module:function', got {target!r}"
-            )
-        args = spec.get("args", [])
-        if not isinstance(args, list):
-            raise InvalidTask(f"{where}: field 'args' must be a list, got {args!r}")
-        kwargs = spec.get("kwargs", {})
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise InvalidTask(f"{where}: field 'kwargs' must be an object, got {kwargs!r}")
-        return {
-            "callable": target,
-            "args": args,
-            "kwargs": kwargs,
-            "collect": _collect_field(spec, where),
-        }
+        only_fields(spec, ("callable", "args", "kwargs", "collect"), where)
+        return {**callable_fields(spec, where), "collect": _collect_field(spec, where)}
 
     def run(self, spec: Mapping[str, Any], context: TaskContext) -> Any:
         function = resolve(spec["callable"], "pyspark task callable")
@@ -303,7 +282,7 @@ class SparkSubmitKind:
     name = "spark_submit"
 
     def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
-        _only(spec, ("application", "application_args", "conn_id", *SUBMIT_OPTIONS), where)
+        only_fields(spec, ("application", "application_args", "conn_id", *SUBMIT_OPTIONS), where)
         application = spec.get("application")
         if not isinstance(application, str) or not application.strip():
             raise InvalidTask(
