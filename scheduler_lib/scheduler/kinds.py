@@ -236,19 +236,7 @@ class SqlKind:
 
     def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
         only_fields(spec, ("sql",), where)
-        statements = spec.get("sql")
-        if isinstance(statements, str):
-            statements = [statements]
-        if (
-            not isinstance(statements, list)
-            or not statements
-            or not all(isinstance(s, str) and s.strip() for s in statements)
-        ):
-            raise InvalidTask(
-                f"{where}: field 'sql' must be a statement or a non-empty list of them, "
-                f"got {spec.get('sql')!r}"
-            )
-        return {"sql": statements}
+        return {"sql": statements_field(spec, where)}
 
     def run(self, spec: Mapping[str, Any], context: TaskContext) -> Any:
         counts = []
@@ -259,8 +247,7 @@ class SqlKind:
         return counts
 
     def describe(self, spec: Mapping[str, Any]) -> str:
-        first = " ".join(str(spec.get("sql", ["sql"])[0]).split())
-        return first if len(first) <= 60 else first[:57] + "..."
+        return describe_statements(spec, "sql")
 
 
 @functools.cache
@@ -269,6 +256,29 @@ def _sql_engine(url: str) -> sa.Engine:
     # own statements there (with the broker's engine settings: WAL and BEGIN IMMEDIATE
     # on SQLite, psycopg on PostgreSQL).
     return engines.create_engine(url, pool_pre_ping=True)
+
+
+def statements_field(spec: Mapping[str, Any], where: str) -> list[str]:
+    """A task's ``sql``: one statement or a non-empty list of them, as a list."""
+    statements = spec.get("sql")
+    if isinstance(statements, str):
+        statements = [statements]
+    if (
+        not isinstance(statements, list)
+        or not statements
+        or not all(isinstance(s, str) and s.strip() for s in statements)
+    ):
+        raise InvalidTask(
+            f"{where}: field 'sql' must be a statement or a non-empty list of them, "
+            f"got {spec.get('sql')!r}"
+        )
+    return statements
+
+
+def describe_statements(spec: Mapping[str, Any], default: str) -> str:
+    """A statement task's label: its first statement, on one line, at most 60 characters."""
+    first = " ".join(str(spec.get("sql", [default])[0]).split())
+    return first if len(first) <= 60 else first[:57] + "..."
 
 
 def callable_fields(spec: Mapping[str, Any], where: str) -> dict[str, Any]:

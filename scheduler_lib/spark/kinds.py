@@ -23,8 +23,10 @@ from scheduler_lib.scheduler.errors import InvalidTask
 from scheduler_lib.scheduler.kinds import (
     TaskContext,
     callable_fields,
+    describe_statements,
     only_fields,
     register_kind,
+    statements_field,
 )
 from scheduler_lib.spark import session as sessions
 
@@ -149,18 +151,7 @@ class SparkSqlKind:
 
     def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
         only_fields(spec, ("sql", "args", "output", "collect"), where)
-        statements = spec.get("sql")
-        if isinstance(statements, str):
-            statements = [statements]
-        if (
-            not isinstance(statements, list)
-            or not statements
-            or not all(isinstance(s, str) and s.strip() for s in statements)
-        ):
-            raise InvalidTask(
-                f"{where}: field 'sql' must be a statement or a non-empty list of them, "
-                f"got {spec.get('sql')!r}"
-            )
+        statements = statements_field(spec, where)
         args = spec.get("args", {})
         if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
             raise InvalidTask(f"{where}: field 'args' must be an object, got {args!r}")
@@ -205,8 +196,7 @@ class SparkSqlKind:
             return {"statements": len(statements), **result}
 
     def describe(self, spec: Mapping[str, Any]) -> str:
-        first = " ".join(str(spec.get("sql", ["spark_sql"])[0]).split())
-        return first if len(first) <= 60 else first[:57] + "..."
+        return describe_statements(spec, "spark_sql")
 
 
 class SparkSqlError(Exception):

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # spark_tasks: the callables tasks name
+sys.path.insert(0, str(HERE.parent / "integration"))  # multiproc: poll
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
+from multiproc import poll as _poll
 
 from scheduler_lib.broker import Broker
 from scheduler_lib.scheduler import InvalidTask, TaskScheduler, WaveFailed
@@ -34,14 +35,7 @@ ENDLESS = "SELECT sum(hash(id)) AS h FROM range(0, 400000000000)"
 
 
 def poll(condition: Callable[[], T], what: str, timeout: float = DEADLINE) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+    return _poll(condition, timeout, what)
 
 
 def log_row(broker: Broker, log_id: int) -> Any:

@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import pytest
+from multiproc import poll as _poll
 
 from scheduler_lib.broker import Broker
 from scheduler_lib.scheduler import TaskScheduler
@@ -32,14 +32,7 @@ DEADLINE = 120.0  # a JVM starts in ~10 s here; far more when the machine is bus
 
 
 def poll(condition: Callable[[], T], what: str, timeout: float = DEADLINE) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
+    return _poll(condition, timeout, what, interval=0.1)
 
 
 def alive(pid: int) -> bool:
