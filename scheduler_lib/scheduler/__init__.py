@@ -17,6 +17,8 @@ from scheduler_lib.scheduler.client import (
     RunReport,
     SchedulerHandle,
     TaskScheduler,
+    TaskState,
+    WaveProgress,
     WaveReport,
 )
 from scheduler_lib.scheduler.errors import (
@@ -54,8 +56,10 @@ __all__ = [
     "TaskContext",
     "TaskKind",
     "TaskScheduler",
+    "TaskState",
     "UnknownKind",
     "WaveFailed",
+    "WaveProgress",
     "WaveReport",
     "init",
     "prepare",

@@ -25,6 +25,7 @@ from scheduler_lib.broker import (
     Broker,
     ConversationNotFound,
     ConversationStateError,
+    EndpointState,
 )
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.exceptions import InvalidArgument, ServiceNotFound
@@ -43,6 +44,8 @@ from scheduler_lib.scheduler.kinds import KINDS, Task, as_task
 log = logging.getLogger(__name__)
 
 POLICIES = ("fail_fast", "continue")
+ENDED = (SUCCEEDED, FAILED, CANCELLED)
+WAVE_WAIT_STEP = 5.0  # seconds: a waiting watcher re-reads the log at least this often
 AIRFLOW_FIELDS = ("dag_id", "run_id", "task_id")
 
 
@@ -75,6 +78,50 @@ class SchedulerHandle:
 
     def __str__(self) -> str:
         return str(self.conversation_handle)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskState:
+    """A task's row of ``execution_log`` as a watcher in another process sees it."""
+
+    log_id: int
+    task_name: str
+    status: str  # QUEUED, RUNNING, SUCCEEDED, FAILED or CANCELLED
+    error: str | None = None
+    result: Any = None
+    wave: int | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDED
+
+    @property
+    def ok(self) -> bool:
+        return self.status == SUCCEEDED
+
+
+@dataclasses.dataclass(frozen=True)
+class WaveProgress:
+    """Where a wave sent by :meth:`TaskScheduler.exec_many` stands: the durable answer
+    to "has it completed?" that any process can ask again (an Airflow sensor that was
+    rescheduled, a trigger that moved to another triggerer)."""
+
+    tasks: tuple[TaskState, ...]
+    ended_by_target: str | None = None  # the target ended the conversation: how
+
+    @property
+    def done(self) -> bool:
+        return all(t.ended for t in self.tasks)
+
+    @property
+    def pending(self) -> list[TaskState]:
+        return [t for t in self.tasks if not t.ended]
+
+    @property
+    def failures(self) -> list[TaskState]:
+        return [t for t in self.tasks if t.ended and not t.ok]
 
 
 @dataclasses.dataclass
@@ -328,6 +375,139 @@ class TaskScheduler:
             handle.names[log_id] = task.label
         return log_ids
 
+    # --- a scheduler shared between processes (Airflow tasks) ----------------------------
+
+    def attach(
+        self, conversation_handle: uuid.UUID | str, *, target: str | None = None
+    ) -> SchedulerHandle:
+        """A handle to a scheduler another process got (an Airflow task pushed its
+        conversation handle to XCom): send more waves on it, watch them, release it.
+
+        :raises InvalidArgument: for a handle that is not a UUID
+        :raises SchedulerEnded: when the conversation is gone or was ended
+        """
+        key = uuid.UUID(checks.handle(conversation_handle, "scheduler handle"))
+        try:
+            endpoint = self.broker.conversation_endpoint(key)
+        except ConversationNotFound:
+            raise SchedulerEnded(
+                f"scheduler {key}: no such conversation (it was released, or never began "
+                "on this broker)"
+            ) from None
+        if not endpoint.is_initiator or endpoint.service_name != self.names.initiator_service:
+            raise InvalidArgument(
+                f"{key} is not a scheduler handle: it is the {endpoint.service_name!r} side "
+                f"of a conversation on contract {endpoint.contract_name!r}"
+            )
+        if endpoint.state not in (EndpointState.STARTED_OUTBOUND, EndpointState.CONVERSING):
+            raise SchedulerEnded(f"scheduler {key}: its conversation is {endpoint.state.name}")
+        service = target or endpoint.far_service_name
+        return SchedulerHandle(key, service)
+
+    def wave_progress(
+        self, handle: SchedulerHandle | uuid.UUID | str, log_ids: Sequence[int]
+    ) -> WaveProgress:
+        """Where the tasks ``log_ids`` (sent on ``handle``) stand, read from
+        ``execution_log`` — one indexed query, nothing consumed, so it can be asked any
+        number of times from any process. A task whose row says it ended has answered
+        (its row and its ``AsyncDone`` are written in one transaction).
+
+        :raises InvalidArgument: when a log id is not one of this scheduler's tasks
+        """
+        key = str(handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle)
+        wanted = sorted({int(i) for i in log_ids})
+        if not wanted:
+            return WaveProgress(())
+        rows = {
+            int(r["log_id"]): r
+            for r in self.broker.fetch("log_of_tasks", handle=key, first=wanted[0], last=wanted[-1])
+        }
+        missing = [i for i in wanted if i not in rows]
+        if missing:
+            raise InvalidArgument(f"scheduler {key}: no task with log id {missing} was sent on it")
+        states = tuple(
+            TaskState(
+                log_id=i,
+                task_name=rows[i]["task_name"],
+                status=rows[i]["status"],
+                error=rows[i]["error"],
+                result=None if rows[i]["result"] is None else json.loads(rows[i]["result"]),
+                wave=rows[i]["wave"],
+                start_time=rows[i]["start_time"],
+                end_time=rows[i]["end_time"],
+            )
+            for i in wanted
+        )
+        ended = None
+        if any(not s.ended for s in states):
+            ended = self._ended_by_target(key)
+        return WaveProgress(states, ended)
+
+    def _ended_by_target(self, key: str) -> str | None:
+        try:
+            endpoint = self.broker.conversation_endpoint(key)
+        except ConversationNotFound:
+            return "the conversation is gone (released)"
+        if endpoint.state in (EndpointState.STARTED_OUTBOUND, EndpointState.CONVERSING):
+            return None
+        return f"its conversation is {endpoint.state.name}"
+
+    def wait_for_wave(
+        self,
+        handle: SchedulerHandle | uuid.UUID | str,
+        log_ids: Sequence[int],
+        timeout: float | None = None,
+    ) -> WaveProgress:
+        """:meth:`wave_progress` once the wave is done, the target ended the
+        conversation, or ``timeout`` seconds passed (``None``: no limit; ``0``: look
+        once). It wakes on each ``AsyncDone`` of the scheduler (a waiting RECEIVE, no
+        polling) and takes those messages: the log is what it reads."""
+        key = handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            progress = self.wave_progress(key, log_ids)
+            if progress.done:
+                self.drain(key)
+                return progress
+            left = None if deadline is None else deadline - time.monotonic()
+            if progress.ended_by_target is not None or (left is not None and left <= 0):
+                return progress
+            # Wait for the next answer (or the far side's end) without polling.
+            step = WAVE_WAIT_STEP if left is None else min(left, WAVE_WAIT_STEP)
+            try:
+                messages = self.broker.receive(
+                    self.names.initiator_queue,
+                    top=len(progress.pending),
+                    timeout=step,
+                    conversation=key,
+                )
+            except ConversationNotFound:
+                continue  # released meanwhile: the next look says so
+            if any(m.message_type_name in (END_DIALOG, ERROR) for m in messages):
+                with contextlib.suppress(ConversationNotFound, ConversationStateError):
+                    self.broker.end_conversation(key)
+
+    def drain(self, handle: SchedulerHandle | uuid.UUID | str) -> int:
+        """Take the scheduler's ``AsyncDone`` messages off the initiator queue, where
+        nobody will receive them (a watcher read the log instead), and return how many
+        were taken. An ``EndDialog``/``Error`` from the target ends this side too."""
+        key = handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle
+        taken = 0
+        while True:
+            try:
+                messages = self.broker.receive(
+                    self.names.initiator_queue, top=100, timeout=0, conversation=key
+                )
+            except ConversationNotFound:
+                return taken
+            if not messages:
+                return taken
+            taken += len(messages)
+            if any(m.message_type_name in (END_DIALOG, ERROR) for m in messages):
+                with contextlib.suppress(ConversationNotFound, ConversationStateError):
+                    self.broker.end_conversation(key)
+                return taken
+
     # --- waves -----------------------------------------------------------------------
 
     def run_waves(
@@ -339,6 +519,7 @@ class TaskScheduler:
         target: str | None = None,
         timeout: float | None = None,
         on_completion: Callable[[int, Completion], None] | None = None,
+        on_start: Callable[[SchedulerHandle], None] | None = None,
     ) -> RunReport:
         """Run waves in order: the tasks of a wave run together, a wave starts when the
         one before it has completed.
@@ -353,6 +534,8 @@ class TaskScheduler:
         :param max_in_flight: at most this many tasks sent and not completed at once
         :param timeout: seconds to wait for any one completion
         :param on_completion: called with (wave index, completion) as each arrives
+        :param on_start: called with the scheduler once it exists (so another thread can
+            :meth:`cancel` or :meth:`release_scheduler` it, e.g. an Airflow ``on_kill``)
         """
         if policy not in POLICIES:
             raise InvalidArgument(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -370,6 +553,8 @@ class TaskScheduler:
         started = time.time()
         reports: list[WaveReport] = []
         with self.scheduler(target=service, max_in_flight=max_in_flight) as handle:
+            if on_start is not None:
+                on_start(handle)
             stopped = False
             for index, tasks in enumerate(checked):
                 if stopped:

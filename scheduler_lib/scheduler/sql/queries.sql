@@ -82,6 +82,14 @@ WHERE cancel_requested_at IS NOT NULL AND end_time IS NULL;
 -- A scheduler's rows, in the order they were sent.
 SELECT * FROM execution_log WHERE scheduler_handle = :handle ORDER BY log_id;
 
+-- name: log_of_tasks
+-- The rows of a scheduler's tasks from log id :first to :last (a wave an Airflow task
+-- sent): the sensor's poll, a range on the scheduler's index.
+SELECT log_id, task_name, wave, status, error, result, start_time, end_time
+FROM execution_log
+WHERE scheduler_handle = :handle AND log_id BETWEEN :first AND :last
+ORDER BY log_id;
+
 -- name: log_recent
 -- The most recent rows of the log.
 SELECT * FROM execution_log ORDER BY log_id DESC LIMIT :limit;
@@ -133,3 +141,64 @@ DELETE FROM semaphore_holders WHERE holder_id = :holder_id;
 -- name: semaphore_holders
 -- Who holds a semaphore now.
 SELECT * FROM semaphore_holders WHERE semaphore_name = :name ORDER BY acquired_at;
+
+-- ---------------------------------------------------------------------------------------
+-- The Execution Status page (scheduler_lib.scheduler.monitor): the log's rows for a
+-- screen, newest first, without task bodies and results (they can be large). One query
+-- per filter shape, so each one uses an index: by scheduler the scheduler's index
+-- (scheduler_handle, log_id), by DAG or run the Airflow index (dag_id, run_id, log_id),
+-- unfiltered the primary key.
+-- ---------------------------------------------------------------------------------------
+
+-- name: monitor_log_recent
+-- The newest rows of the log.
+SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
+    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
+    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
+FROM execution_log
+ORDER BY log_id DESC LIMIT :limit;
+
+-- name: monitor_log_of_scheduler
+-- The newest rows one scheduler handle sent.
+SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
+    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
+    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
+FROM execution_log
+WHERE scheduler_handle = :handle
+ORDER BY log_id DESC LIMIT :limit;
+
+-- name: monitor_log_of_dag
+-- The newest rows the runs of one Airflow DAG sent.
+SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
+    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
+    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
+FROM execution_log
+WHERE dag_id = :dag_id
+ORDER BY log_id DESC LIMIT :limit;
+
+-- name: monitor_log_of_run
+-- The newest rows one Airflow DAG run sent.
+SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
+    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
+    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
+FROM execution_log
+WHERE dag_id = :dag_id AND run_id = :run_id
+ORDER BY log_id DESC LIMIT :limit;
+
+-- name: monitor_log_of_scheduler_in_dag
+-- The newest rows one scheduler handle sent for one DAG (the scheduler's index).
+SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
+    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
+    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
+FROM execution_log
+WHERE scheduler_handle = :handle AND dag_id = :dag_id
+ORDER BY log_id DESC LIMIT :limit;
+
+-- name: monitor_log_of_scheduler_in_run
+-- The newest rows one scheduler handle sent for one DAG run (the scheduler's index).
+SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
+    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
+    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
+FROM execution_log
+WHERE scheduler_handle = :handle AND dag_id = :dag_id AND run_id = :run_id
+ORDER BY log_id DESC LIMIT :limit;

@@ -1,0 +1,437 @@
+"""The blog's procedures as Airflow operators, and one operator for a whole plan.
+
+``GetSchedulerOperator`` → ``ExecAsyncOperator`` (one wave) → ``SynchronizationSensor``
+→ … → ``ReleaseSchedulerOperator``: each Airflow task makes one library call, and the
+scheduler handle and the wave's log ids travel by XCom. :func:`ordered_waves` builds
+that chain from a list of waves; :class:`OrderedWavesOperator` runs the whole plan as
+one Airflow task (seconds of Airflow overhead once, not per wave).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import datetime
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context, TriggerRule
+from airflow.sdk.exceptions import AirflowFailException
+
+from scheduler_lib.airflow import hooks, sensors, triggers
+from scheduler_lib.scheduler import (
+    Completion,
+    InvalidTask,
+    SchedulerEnded,
+    SchedulerHandle,
+    Task,
+    TaskScheduler,
+    WaveFailed,
+)
+from scheduler_lib.scheduler.client import POLICIES
+
+DEFER_AFTER = 2.0  # seconds a deferrable operator waits in place before it defers a wave
+
+
+def airflow_ids(context: Context) -> dict[str, str | None]:
+    """The DAG, run and task ids ``execution_log`` records with every task sent."""
+    ti = context["ti"]
+    return {"dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id}
+
+
+def load_kinds() -> None:
+    """Let this process check Spark tasks before sending them (the import registers the
+    kinds; pyspark itself is imported only by a task that runs)."""
+    with contextlib.suppress(ImportError):
+        import scheduler_lib.spark  # noqa: F401
+
+
+def plain_tasks(tasks: Any, where: str) -> list[dict[str, Any]]:
+    """Tasks as JSON objects (what Airflow serializes and templates), checked for shape;
+    each kind checks its fields when the wave is sent."""
+    if isinstance(tasks, str | bytes | Mapping) or not isinstance(tasks, Sequence):
+        raise InvalidTask(f"{where}: tasks must be a list of tasks, got {tasks!r}")
+    plain = []
+    for i, task in enumerate(tasks, start=1):
+        if isinstance(task, Task):
+            task = task.to_dict()
+        if not isinstance(task, Mapping) or not isinstance(task.get("kind"), str):
+            raise InvalidTask(
+                f"{where}, task {i}: a task is an object with a 'kind' "
+                f"(e.g. {{'kind': 'spark_sql', 'sql': 'SELECT 1'}}), got {task!r}"
+            )
+        plain.append(dict(task))
+    return plain
+
+
+def pull_handle(context: Context, handle: str | None, scheduler_task_id: str, where: str) -> str:
+    """The scheduler handle given, or the one ``scheduler_task_id`` pushed to XCom."""
+    if handle:
+        return str(handle)
+    got = context["ti"].xcom_pull(task_ids=scheduler_task_id)
+    if isinstance(got, Mapping) and got.get("scheduler_handle"):
+        return str(got["scheduler_handle"])
+    raise AirflowFailException(
+        f"{where}: task {scheduler_task_id!r} pushed no scheduler handle to XCom (got "
+        f"{got!r}); is it a GetSchedulerOperator upstream of this task?"
+    )
+
+
+class GetSchedulerOperator(BaseOperator):
+    """GetScheduler: begin a scheduler (a conversation to the target service).
+
+    :param target_service: where its tasks go (default: the connection's)
+    :param scheduler_lib_conn_id: the broker's connection
+    :return: (XCom) ``{"scheduler_handle": ..., "target_service": ...}``
+    """
+
+    template_fields: Sequence[str] = ("target_service",)
+    ui_color = "#e8f0d8"
+
+    def __init__(
+        self,
+        *,
+        target_service: str | None = None,
+        scheduler_lib_conn_id: str = hooks.DEFAULT_CONN_ID,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.target_service = target_service
+        self.scheduler_lib_conn_id = scheduler_lib_conn_id
+
+    def execute(self, context: Context) -> dict[str, str]:
+        hook = hooks.SchedulerLibHook(self.scheduler_lib_conn_id)
+        handle = hook.get_scheduler(airflow_ids(context)).get_scheduler(
+            target=self.target_service or None
+        )
+        self.log.info("scheduler %s to %s", handle, handle.target_service)
+        return {"scheduler_handle": str(handle), "target_service": handle.target_service}
+
+
+class ExecAsyncOperator(BaseOperator):
+    """ExecAsync for one wave: log and send its tasks in one transaction (all or none).
+
+    Each task is a JSON object with a ``kind`` and the kind's fields, e.g.
+    ``{"kind": "spark_sql", "sql": "INSERT INTO t SELECT ... WHERE day = '{{ ds }}'"}``
+    (templated, also nested). The Airflow DAG, run and task ids go into each task's
+    ``execution_log`` row.
+
+    :param tasks: the wave's tasks
+    :param scheduler_task_id: the ``GetSchedulerOperator`` whose handle to use
+    :param scheduler_handle: a handle given directly instead (templated)
+    :param wave: the wave's number as people read it (from 1), kept in the log
+    :param scheduler_lib_conn_id: the broker's connection
+    :return: (XCom) ``{"scheduler_handle": ..., "log_ids": [...], "wave": n}``
+    """
+
+    template_fields: Sequence[str] = ("tasks", "scheduler_handle")
+    template_fields_renderers = {"tasks": "json"}
+    ui_color = "#fdf1d8"
+
+    def __init__(
+        self,
+        *,
+        tasks: Sequence[Mapping[str, Any] | Task],
+        scheduler_task_id: str = "get_scheduler",
+        scheduler_handle: str | None = None,
+        wave: int | None = None,
+        scheduler_lib_conn_id: str = hooks.DEFAULT_CONN_ID,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        # A template or an upstream task's XCom is checked once rendered, in execute().
+        self.tasks = tasks if _rendered_later(tasks) else plain_tasks(tasks, self.task_id)
+        if wave is not None and (not isinstance(wave, int) or wave < 1):
+            raise ValueError(f"{self.task_id}: wave is numbered from 1, got {wave!r}")
+        self.scheduler_task_id = scheduler_task_id
+        self.scheduler_handle = scheduler_handle
+        self.wave = wave
+        self.scheduler_lib_conn_id = scheduler_lib_conn_id
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        load_kinds()
+        key = pull_handle(context, self.scheduler_handle, self.scheduler_task_id, self.task_id)
+        scheduler = hooks.SchedulerLibHook(self.scheduler_lib_conn_id).get_scheduler(
+            airflow_ids(context)
+        )
+        try:
+            handle = scheduler.attach(key)
+        except SchedulerEnded as exc:
+            raise AirflowFailException(f"{self.task_id}: {exc}") from None
+        index = None if self.wave is None else self.wave - 1  # the log counts from 0
+        tasks = plain_tasks(_native(self.tasks), self.task_id)
+        log_ids = scheduler.exec_many(handle, tasks, wave=index)
+        self.log.info("sent %d task(s) on scheduler %s: log ids %s", len(log_ids), key, log_ids)
+        return {"scheduler_handle": key, "log_ids": log_ids, "wave": self.wave}
+
+
+class ReleaseSchedulerOperator(BaseOperator):
+    """ReleaseScheduler: cancel what has not run, stop what runs, end the conversation.
+
+    Runs whatever happened upstream (``trigger_rule="all_done"``), and never fails
+    because the scheduler is already gone.
+
+    :param scheduler_task_id: the ``GetSchedulerOperator`` whose handle to release
+    :param scheduler_handle: a handle given directly instead (templated)
+    :param scheduler_lib_conn_id: the broker's connection
+    """
+
+    template_fields: Sequence[str] = ("scheduler_handle",)
+    ui_color = "#f0e0e0"
+
+    def __init__(
+        self,
+        *,
+        scheduler_task_id: str = "get_scheduler",
+        scheduler_handle: str | None = None,
+        scheduler_lib_conn_id: str = hooks.DEFAULT_CONN_ID,
+        trigger_rule: str = TriggerRule.ALL_DONE,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(trigger_rule=trigger_rule, **kwargs)
+        self.scheduler_task_id = scheduler_task_id
+        self.scheduler_handle = scheduler_handle
+        self.scheduler_lib_conn_id = scheduler_lib_conn_id
+
+    def execute(self, context: Context) -> None:
+        got = self.scheduler_handle or context["ti"].xcom_pull(task_ids=self.scheduler_task_id)
+        if isinstance(got, Mapping):
+            got = got.get("scheduler_handle")
+        if not got:
+            self.log.info("no scheduler to release: %r pushed none", self.scheduler_task_id)
+            return
+        scheduler = hooks.SchedulerLibHook(self.scheduler_lib_conn_id).get_scheduler()
+        try:
+            handle = scheduler.attach(str(got))
+        except SchedulerEnded as exc:
+            self.log.info("nothing to release: %s", exc)
+            return
+        cancelled, stopping = scheduler.cancel(handle, "cancelled: the scheduler was released")
+        scheduler.release_scheduler(handle)
+        self.log.info(
+            "released scheduler %s (%d queued task(s) cancelled, %d running asked to stop)",
+            handle,
+            cancelled,
+            stopping,
+        )
+
+
+class OrderedWavesOperator(BaseOperator):
+    """A whole plan of waves as one Airflow task: wave after wave, the tasks of a wave
+    together, on one scheduler that is released at the end.
+
+    :param waves: a list of waves, each a list of tasks (templated)
+    :param policy: ``fail_fast`` (at the first failure cancel the rest and fail) or
+        ``continue`` (run every wave, then fail if any task failed)
+    :param max_in_flight: at most this many tasks at once (not with ``deferrable``)
+    :param target_service: where the tasks go (default: the connection's)
+    :param deferrable: between waves, wait in the triggerer instead of a worker slot (a
+        wave that completes within ``defer_after`` seconds is not deferred)
+    :param defer_after: seconds to wait in place before deferring a wave
+    :param trigger_poll_interval: seconds between the trigger's looks
+    :param scheduler_lib_conn_id: the broker's connection
+    :return: (XCom) ``{"scheduler_handle": ..., "waves": [[task outcome, ...], ...]}``
+    """
+
+    template_fields: Sequence[str] = ("waves", "target_service")
+    template_fields_renderers = {"waves": "json"}
+    ui_color = "#fdf1d8"
+
+    def __init__(
+        self,
+        *,
+        waves: Sequence[Sequence[Mapping[str, Any] | Task]],
+        policy: str = "fail_fast",
+        max_in_flight: int | None = None,
+        target_service: str | None = None,
+        deferrable: bool = False,
+        defer_after: float = DEFER_AFTER,
+        trigger_poll_interval: float = triggers.POLL_INTERVAL,
+        scheduler_lib_conn_id: str = hooks.DEFAULT_CONN_ID,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if policy not in POLICIES:
+            raise ValueError(f"{self.task_id}: policy must be one of {POLICIES}, got {policy!r}")
+        if deferrable and max_in_flight is not None:
+            raise ValueError(
+                f"{self.task_id}: max_in_flight needs a task that stays running; with "
+                "deferrable=True cap concurrency with a named semaphore ('semaphore' field)"
+            )
+        if isinstance(waves, str | bytes) or not isinstance(waves, Sequence):
+            raise InvalidTask(f"{self.task_id}: waves must be a list of lists of tasks")
+        self.waves = [plain_tasks(w, f"{self.task_id}, wave {i}") for i, w in enumerate(waves, 1)]
+        self.policy = policy
+        self.max_in_flight = max_in_flight
+        self.target_service = target_service
+        self.deferrable = deferrable
+        self.defer_after = defer_after
+        self.trigger_poll_interval = trigger_poll_interval
+        self.scheduler_lib_conn_id = scheduler_lib_conn_id
+        self._running: tuple[TaskScheduler, SchedulerHandle] | None = None
+
+    def _scheduler(self, context: Context) -> TaskScheduler:
+        load_kinds()
+        hook = hooks.SchedulerLibHook(self.scheduler_lib_conn_id)
+        return hook.get_scheduler(airflow_ids(context), target=self.target_service or None)
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        scheduler = self._scheduler(context)
+        if self.deferrable:
+            handle = scheduler.get_scheduler()
+            self.log.info("scheduler %s to %s", handle, handle.target_service)
+            return self._from_wave(context, scheduler, str(handle), 0, [])
+        total = sum(len(w) for w in self.waves)
+        done = 0
+
+        def progress(wave: int, completion: Completion) -> None:
+            nonlocal done
+            done += 1
+            self.log.info(
+                "wave %d/%d: %s %s (%d/%d)",
+                wave + 1,
+                len(self.waves),
+                completion.task_name or completion.log_id,
+                completion.status,
+                done,
+                total,
+            )
+
+        def started(handle: SchedulerHandle) -> None:
+            self._running = (scheduler, handle)
+
+        try:
+            report = scheduler.run_waves(
+                self.waves,
+                policy=self.policy,
+                max_in_flight=self.max_in_flight,
+                on_completion=progress,
+                on_start=started,
+            )
+        except WaveFailed as exc:
+            raise AirflowFailException(f"{self.task_id}: {exc}") from None
+        finally:
+            self._running = None
+        waves = [[_summary(c) for c in w.completions] for w in report.waves]
+        if not report.ok:
+            sensors.check([s for w in waves for s in w], self.task_id)
+        return {"scheduler_handle": str(report.scheduler_handle), "waves": waves}
+
+    # --- deferrable: one wave at a time, the waits in the triggerer -----------------------
+
+    def _from_wave(
+        self,
+        context: Context,
+        scheduler: TaskScheduler,
+        key: str,
+        index: int,
+        outcomes: list[list[dict[str, Any]]],
+    ) -> dict[str, Any]:
+        handle = scheduler.attach(key)
+        for i in range(index, len(self.waves)):
+            log_ids = scheduler.exec_many(handle, self.waves[i], wave=i)
+            self.log.info("wave %d/%d sent: log ids %s", i + 1, len(self.waves), log_ids)
+            progress = scheduler.wait_for_wave(handle, log_ids, timeout=self.defer_after)
+            if not progress.done and progress.ended_by_target is None:
+                self.defer(
+                    trigger=triggers.SynchronizationTrigger(
+                        key,
+                        log_ids,
+                        scheduler_lib_conn_id=self.scheduler_lib_conn_id,
+                        poll_interval=self.trigger_poll_interval,
+                        deadline=time.time() + self.execution_timeout.total_seconds()
+                        if self.execution_timeout
+                        else None,
+                    ),
+                    method_name="resume_wave",
+                    kwargs={"scheduler_handle": key, "index": i, "outcomes": outcomes},
+                    timeout=self.execution_timeout or datetime.timedelta(days=7),
+                )
+            event = {"status": triggers.DONE, "tasks": triggers.summaries(progress)}
+            if progress.ended_by_target is not None:
+                event = {"status": triggers.ENDED, "message": progress.ended_by_target}
+            outcomes = self._after_wave(scheduler, handle, i, event, outcomes)
+        return self._finish(scheduler, handle, outcomes)
+
+    def resume_wave(
+        self,
+        context: Context,
+        event: dict[str, Any],
+        scheduler_handle: str,
+        index: int,
+        outcomes: list[list[dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """Back from the triggerer: judge the wave, then send the next one."""
+        scheduler = self._scheduler(context)
+        handle = scheduler.attach(scheduler_handle)
+        outcomes = self._after_wave(scheduler, handle, index, event, outcomes)
+        return self._from_wave(context, scheduler, scheduler_handle, index + 1, outcomes)
+
+    def _after_wave(
+        self,
+        scheduler: TaskScheduler,
+        handle: SchedulerHandle,
+        index: int,
+        event: dict[str, Any],
+        outcomes: list[list[dict[str, Any]]],
+    ) -> list[list[dict[str, Any]]]:
+        try:
+            tasks = event.get("tasks")
+            if event.get("status") != triggers.DONE or tasks is None:
+                sensors.event_outcome(event, f"{self.task_id}, wave {index + 1}")
+            assert tasks is not None
+            if self.policy == "fail_fast":
+                sensors.check(tasks, f"{self.task_id}, wave {index + 1}")
+        except Exception:
+            scheduler.cancel(handle, f"cancelled: wave {index + 1} failed")
+            scheduler.release_scheduler(handle)
+            raise
+        # What crosses a deferral is stored by Airflow: outcomes without results.
+        return [*outcomes, [{k: v for k, v in t.items() if k != "result"} for t in tasks]]
+
+    def _finish(
+        self,
+        scheduler: TaskScheduler,
+        handle: SchedulerHandle,
+        outcomes: list[list[dict[str, Any]]],
+    ) -> dict[str, Any]:
+        scheduler.release_scheduler(handle)
+        result = {"scheduler_handle": str(handle), "waves": outcomes}
+        sensors.check([s for w in outcomes for s in w], self.task_id)
+        return result
+
+    def on_kill(self) -> None:
+        """Killed while it runs: cancel the plan's queued tasks, stop the running ones,
+        release the scheduler."""
+        running = self._running
+        if running is not None:
+            scheduler, handle = running
+            scheduler.release_scheduler(handle)
+
+
+def _rendered_later(value: Any) -> bool:
+    return isinstance(value, str) or hasattr(value, "resolve")  # Jinja text, or an XComArg
+
+
+def _native(value: Any) -> Any:
+    """A list rendered by a template as text (without ``render_template_as_native_obj``)
+    back to a list."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            with contextlib.suppress(ValueError, SyntaxError):
+                return ast.literal_eval(value)
+    return value
+
+
+def _summary(completion: Completion) -> dict[str, Any]:
+    return {
+        "log_id": completion.log_id,
+        "task_name": completion.task_name,
+        "status": completion.status,
+        "error": completion.error,
+        "result": completion.result,
+    }

@@ -1,0 +1,182 @@
+"""``Synchronization`` as an Airflow sensor: wait for the tasks one ``ExecAsync`` sent.
+
+Where the blog calls ``Synchronization`` once per task sent, the sensor waits for the
+whole wave; it reads the tasks' rows of ``execution_log`` (durable, and answered in the
+same transaction as ``AsyncDone``), so ``poke``, ``reschedule`` and ``deferrable`` modes
+all survive restarts. A task that failed fails the sensor with the task's error.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseSensorOperator, Context, PokeReturnValue
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from scheduler_lib.airflow import hooks, triggers
+from scheduler_lib.scheduler import WaveProgress
+
+FAILED_LINES = 20  # failed tasks listed in the sensor's error
+
+
+class SynchronizationSensor(BaseSensorOperator):
+    """Wait until every task of a wave has completed; fail when one failed.
+
+    The wave is the XCom of ``exec_task_id`` (an :class:`ExecAsyncOperator`), or give
+    ``scheduler_handle`` and ``log_ids`` directly (both templated).
+
+    :param exec_task_id: the task id of the ``ExecAsyncOperator`` that sent the wave
+    :param scheduler_handle: the scheduler's conversation handle (instead of XCom)
+    :param log_ids: the tasks' log ids (instead of XCom)
+    :param scheduler_lib_conn_id: the broker's connection
+    :param deferrable: wait in the triggerer (frees the worker slot)
+    :param trigger_poll_interval: seconds between the trigger's looks
+    :return: (XCom) each task's log id, name, status, error and result
+    """
+
+    template_fields: Sequence[str] = ("scheduler_handle", "log_ids", "exec_task_id")
+    ui_color = "#d8e9f6"
+
+    def __init__(
+        self,
+        *,
+        exec_task_id: str | None = None,
+        scheduler_handle: str | None = None,
+        log_ids: Sequence[int] | str | None = None,
+        scheduler_lib_conn_id: str = hooks.DEFAULT_CONN_ID,
+        deferrable: bool = False,
+        trigger_poll_interval: float = triggers.POLL_INTERVAL,
+        poke_interval: float = 2.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(poke_interval=poke_interval, **kwargs)
+        if exec_task_id is None and (scheduler_handle is None or log_ids is None):
+            raise ValueError(
+                f"{self.task_id}: give exec_task_id (the ExecAsyncOperator that sent the "
+                "wave), or both scheduler_handle and log_ids"
+            )
+        self.exec_task_id = exec_task_id
+        self.scheduler_handle = scheduler_handle
+        self.log_ids = log_ids
+        self.scheduler_lib_conn_id = scheduler_lib_conn_id
+        self.deferrable = deferrable
+        self.trigger_poll_interval = trigger_poll_interval
+
+    def wave(self, context: Context) -> tuple[str, list[int]]:
+        """(scheduler handle, log ids) of the wave to wait for."""
+        handle, log_ids = self.scheduler_handle, self.log_ids
+        if handle is None or log_ids is None:
+            sent = context["ti"].xcom_pull(task_ids=self.exec_task_id)
+            if not isinstance(sent, dict) or "log_ids" not in sent:
+                raise AirflowFailException(
+                    f"{self.task_id}: task {self.exec_task_id!r} pushed no wave to XCom "
+                    f"(got {sent!r}); is it an ExecAsyncOperator upstream of this sensor?"
+                )
+            handle = handle or sent["scheduler_handle"]
+            log_ids = log_ids if log_ids is not None else sent["log_ids"]
+        return str(handle), as_log_ids(log_ids, self.task_id)
+
+    def execute(self, context: Context) -> Any:
+        if not self.deferrable:
+            return super().execute(context)
+        handle, log_ids = self.wave(context)
+        deadline = time.time() + self.timeout if self.timeout else None
+        # One look first: a wave that has already ended costs no trip to the triggerer.
+        done = self.poke(context)
+        if done.is_done:
+            return done.xcom_value
+        self.defer(
+            trigger=triggers.SynchronizationTrigger(
+                handle,
+                log_ids,
+                scheduler_lib_conn_id=self.scheduler_lib_conn_id,
+                poll_interval=self.trigger_poll_interval,
+                deadline=deadline,
+            ),
+            method_name="execute_complete",
+            timeout=datetime.timedelta(seconds=self.timeout) if self.timeout else None,
+        )
+
+    def poke(self, context: Context) -> PokeReturnValue:
+        handle, log_ids = self.wave(context)
+        hook = hooks.SchedulerLibHook(self.scheduler_lib_conn_id)
+        scheduler = hook.get_scheduler()
+        progress = scheduler.wave_progress(handle, log_ids)
+        if not progress.done:
+            if progress.ended_by_target is not None:
+                raise AirflowFailException(
+                    f"scheduler {handle}: {progress.ended_by_target}; "
+                    f"{len(progress.pending)} task(s) will not complete"
+                )
+            self.log.info(
+                "wave of scheduler %s: %d of %d task(s) completed",
+                handle,
+                len(progress.tasks) - len(progress.pending),
+                len(progress.tasks),
+            )
+            return PokeReturnValue(is_done=False)
+        scheduler.drain(handle)
+        return PokeReturnValue(is_done=True, xcom_value=outcome(progress, self.task_id))
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
+        """Resumed from the trigger: the wave's outcome, or the reason it has none."""
+        return event_outcome(event, self.task_id)
+
+
+def as_log_ids(value: Any, where: str) -> list[int]:
+    """Log ids from XCom or a templated field (a rendered list may arrive as text)."""
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise AirflowFailException(
+                f"{where}: log_ids must be a list of ints, got {value!r}"
+            ) from None
+    if isinstance(value, int):
+        value = [value]
+    try:
+        ids = [int(i) for i in value]
+    except (TypeError, ValueError):
+        raise AirflowFailException(
+            f"{where}: log_ids must be a list of ints, got {value!r}"
+        ) from None
+    return ids
+
+
+def outcome(progress: WaveProgress, where: str) -> list[dict[str, Any]]:
+    """The wave's summaries, or the failure of the Airflow task with the tasks' errors."""
+    summaries = triggers.summaries(progress)
+    check(summaries, where)
+    return summaries
+
+
+def event_outcome(event: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """What a :class:`SynchronizationTrigger` event means for the deferred task."""
+    status = event.get("status")
+    if status == triggers.DONE:
+        check(event["tasks"], where)
+        return event["tasks"]
+    if status == triggers.TIMEOUT:
+        raise AirflowException(f"{where}: {event.get('message')}")
+    raise AirflowFailException(f"{where}: {event.get('message')}")
+
+
+def check(summaries: list[dict[str, Any]], where: str) -> None:
+    """Fail (without retries: running the sensor again cannot help) when a task failed."""
+    failed = [s for s in summaries if s["status"] != "SUCCEEDED"]
+    if not failed:
+        return
+    lines = [
+        f"  {s['task_name']} (log id {s['log_id']}): {s['status']}"
+        + (f": {(s['error'] or '').strip().splitlines()[0]}" if s.get("error") else "")
+        for s in failed[:FAILED_LINES]
+    ]
+    if len(failed) > FAILED_LINES:
+        lines.append(f"  ... and {len(failed) - FAILED_LINES} more")
+    raise AirflowFailException(
+        f"{where}: {len(failed)} of {len(summaries)} task(s) did not succeed:\n" + "\n".join(lines)
+    )

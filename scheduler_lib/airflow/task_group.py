@@ -1,0 +1,83 @@
+"""Ordered waves as an Airflow task group: the blog's loop drawn as a DAG.
+
+    get_scheduler >> wave_1 >> wave_1_sync >> wave_2 >> wave_2_sync >> ... >> release
+
+Each ``wave_N`` is an :class:`~scheduler_lib.airflow.operators.ExecAsyncOperator`, each
+``wave_N_sync`` a :class:`~scheduler_lib.airflow.sensors.SynchronizationSensor`;
+``release_scheduler`` is a teardown of ``get_scheduler``: it runs whatever happened to
+the waves, and its own success does not hide a failed wave from the DAG run's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from airflow.sdk import TaskGroup
+
+from scheduler_lib.airflow import hooks, operators, sensors
+from scheduler_lib.scheduler import Task
+
+
+def ordered_waves(
+    waves: Sequence[Sequence[Mapping[str, Any] | Task]],
+    *,
+    group_id: str = "ordered_waves",
+    wave_names: Sequence[str] | None = None,
+    target_service: str | None = None,
+    scheduler_lib_conn_id: str = hooks.DEFAULT_CONN_ID,
+    deferrable: bool = False,
+    sensor_kwargs: Mapping[str, Any] | None = None,
+    **group_kwargs: Any,
+) -> TaskGroup:
+    """A task group that runs ``waves`` in order on one scheduler.
+
+    :param waves: a list of waves, each a list of tasks (JSON objects with a ``kind``)
+    :param group_id: the task group's id
+    :param wave_names: task ids for the waves (``load``, ``transform``…) instead of
+        ``wave_1``, ``wave_2``…; their sensors are ``<name>_sync``
+    :param target_service: where the tasks go (default: the connection's)
+    :param deferrable: the sensors wait in the triggerer
+    :param sensor_kwargs: more arguments for every sensor (``poke_interval``, ``mode``,
+        ``timeout``…)
+    :param group_kwargs: more arguments for the ``TaskGroup`` (``tooltip``…)
+    """
+    if isinstance(waves, str | bytes) or not isinstance(waves, Sequence) or not waves:
+        raise ValueError(f"{group_id}: waves must be a non-empty list of lists of tasks")
+    names = list(wave_names) if wave_names is not None else None
+    if names is not None and (len(names) != len(waves) or len(set(names)) != len(names)):
+        raise ValueError(
+            f"{group_id}: wave_names must name each of the {len(waves)} waves once, got {names!r}"
+        )
+    with TaskGroup(group_id=group_id, **group_kwargs) as group:
+        get = operators.GetSchedulerOperator(
+            task_id="get_scheduler",
+            target_service=target_service,
+            scheduler_lib_conn_id=scheduler_lib_conn_id,
+        )
+        last: Any = get
+        for number, wave in enumerate(waves, start=1):
+            name = names[number - 1] if names is not None else f"wave_{number}"
+            send = operators.ExecAsyncOperator(
+                task_id=name,
+                tasks=wave,
+                wave=number,
+                scheduler_task_id=get.task_id,
+                scheduler_lib_conn_id=scheduler_lib_conn_id,
+            )
+            sync = sensors.SynchronizationSensor(
+                task_id=f"{name}_sync",
+                exec_task_id=send.task_id,
+                scheduler_lib_conn_id=scheduler_lib_conn_id,
+                deferrable=deferrable,
+                **dict(sensor_kwargs or {}),
+            )
+            last >> send >> sync
+            last = sync
+        release = operators.ReleaseSchedulerOperator(
+            task_id="release_scheduler",
+            scheduler_task_id=get.task_id,
+            scheduler_lib_conn_id=scheduler_lib_conn_id,
+        )
+        last >> release.as_teardown(setups=get)
+    return group

@@ -1,0 +1,280 @@
+"""The Execution Status page: a FastAPI app that Airflow's api-server mounts (see
+:mod:`scheduler_lib.airflow.plugin`), shown inside Airflow's UI as a page of its own and
+as a tab of every DAG run.
+
+Routes, relative to the mount point (``/scheduler-lib``):
+
+- ``GET /`` — the page: what runs now (``execution_status``), the newest
+  ``execution_log`` rows, filters by scheduler handle / DAG / run, a timeline of the rows
+  by worker, refreshed every few seconds.
+- ``GET /dags/{dag_id}/runs/{run_id}`` — the same page, fixed to one DAG run.
+- ``GET /api/snapshot`` and ``GET /api/dags/{dag_id}/runs/{run_id}/snapshot`` — the JSON
+  the pages poll.
+- ``GET /static/{name}`` — the page's script and style sheet.
+
+Every route needs an Airflow login, through Airflow's own dependencies: the JWT in the
+``Authorization`` header or in the UI's ``_token`` cookie (an anonymous request gets
+401). A DAG run's routes need read access to that DAG's runs; on the top-level page a row
+of a DAG is shown only to users who may read that DAG's runs, and rows sent outside
+Airflow (no DAG) only to users who may see the cluster activity view.
+
+The broker is the one of the ``scheduler_lib`` connection named by ``[scheduler_lib]
+ui_conn_id`` in Airflow's configuration (default ``scheduler_lib_default``), looked up
+through Airflow's secrets backends: environment variables, then the metastore.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import importlib.resources
+import json
+import string
+import urllib.parse
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any
+
+from airflow.api_fastapi.app import get_auth_manager
+from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
+from airflow.api_fastapi.auth.managers.models.resource_details import (
+    AccessView,
+    DagAccessEntity,
+    DagDetails,
+)
+from airflow.api_fastapi.core_api.security import (
+    GetUserDep,
+    requires_access_dag,
+    requires_authenticated,
+)
+from airflow.configuration import conf
+from airflow.exceptions import AirflowNotFoundException
+from airflow.models.connection import Connection
+from airflow.models.dag import DagModel
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response, status
+from fastapi.responses import HTMLResponse
+
+from scheduler_lib.airflow import hooks
+from scheduler_lib.broker import Broker
+from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
+from scheduler_lib.scheduler import monitor
+
+URL_PREFIX = "/scheduler-lib"  # where the api-server mounts the app
+CONFIG_SECTION = "scheduler_lib"
+REFRESH_INTERVAL = 3.0  # seconds between the page's polls
+STATIC_FILES = {  # name -> media type: the only files the static route serves
+    "page.js": "text/javascript; charset=utf-8",
+    "page.css": "text/css; charset=utf-8",
+    "icon.svg": "image/svg+xml",
+}
+
+# Airflow's dependencies. Sync routes: FastAPI runs them in its thread pool, so database
+# work does not block the api-server's event loop.
+Authenticated = Depends(requires_authenticated())
+CanReadRun = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
+Limit = Annotated[int, Query(ge=1, le=monitor.MAX_LIMIT)]
+
+
+def conn_id() -> str:
+    """The connection whose broker the page shows (``[scheduler_lib] ui_conn_id``)."""
+    return conf.get(CONFIG_SECTION, "ui_conn_id", fallback=hooks.DEFAULT_CONN_ID)
+
+
+def get_broker() -> Broker:
+    """The broker of the page's connection, shared with the process's hooks.
+
+    The connection is looked up on every call (cheap next to a refresh) so an edited
+    connection takes effect without restarting the api-server. Airflow's server-side
+    lookup is used: the Task SDK's (``BaseHook.get_connection``) reads the metastore only
+    in a process that declares itself a server, which a test client or an app embedded
+    elsewhere does not.
+
+    :raises HTTPException: 503 naming the connection when it is missing or unusable
+    """
+    name = conn_id()
+    try:
+        conn = Connection.get_connection_from_secrets(name)
+        url, options = hooks.broker_url(conn), hooks.connection_options(conn)
+    except AirflowNotFoundException:
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"connection {name!r} is not defined: add a scheduler_lib connection holding "
+            "the broker's SQLAlchemy URL (or set [scheduler_lib] ui_conn_id)",
+        ) from None
+    except InvalidArgument as exc:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
+    try:
+        return hooks.shared_broker(url, migrate=options["migrate"])
+    except BrokerError as exc:
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, f"connection {name!r}: {exc}"
+        ) from None
+
+
+BrokerDep = Annotated[Broker, Depends(get_broker)]
+
+
+def create_app() -> FastAPI:
+    """The Execution Status app, for ``AirflowPlugin.fastapi_apps``."""
+    app = FastAPI(
+        title="scheduler_lib Execution Status",
+        description="The scheduler's execution_status and execution_log, for Airflow's UI.",
+        # The api-server's own docs cover Airflow; these routes are the page's plumbing.
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+
+    @app.get("/", response_class=HTMLResponse, dependencies=[Authenticated])
+    def page(request: Request) -> HTMLResponse:
+        """The top-level page (filters come from the query string)."""
+        return _page(request, fixed=None)
+
+    @app.get(
+        "/dags/{dag_id}/runs/{run_id:path}", response_class=HTMLResponse, dependencies=[CanReadRun]
+    )
+    def run_page(request: Request, dag_id: str, run_id: str) -> HTMLResponse:
+        """The per-DAG-run tab: the page fixed to one run."""
+        return _page(request, fixed=(dag_id, run_id))
+
+    @app.get("/api/snapshot", dependencies=[Authenticated])
+    def snapshot(
+        broker: BrokerDep,
+        user: GetUserDep,
+        scheduler_handle: str | None = None,
+        dag_id: str | None = None,
+        run_id: str | None = None,
+        limit: Limit = monitor.DEFAULT_LIMIT,
+    ) -> dict[str, Any]:
+        """What runs now and the newest log rows the user may see, filtered."""
+        data = _snapshot(broker, limit, scheduler_handle, dag_id, run_id)
+        visible = _visibility(user)
+        data["running"] = [r for r in data["running"] if visible(r.get("dag_id"))]
+        data["log"] = [r for r in data["log"] if visible(r.get("dag_id"))]
+        return data
+
+    @app.get("/api/dags/{dag_id}/runs/{run_id:path}/snapshot", dependencies=[CanReadRun])
+    def run_snapshot(
+        broker: BrokerDep,
+        dag_id: str,
+        run_id: str,
+        scheduler_handle: str | None = None,
+        limit: Limit = monitor.DEFAULT_LIMIT,
+    ) -> dict[str, Any]:
+        """What one DAG run's tasks run now and sent (the dependency checked the DAG)."""
+        return _snapshot(broker, limit, scheduler_handle, dag_id, run_id)
+
+    @app.get("/static/{name}", dependencies=[Authenticated])
+    def static(name: str) -> Response:
+        """The page's script and style sheet (no CDN, no build step)."""
+        if name not in STATIC_FILES:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no static file {name!r}")
+        return Response(
+            _static_text(name),
+            media_type=STATIC_FILES[name],
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    return app
+
+
+def _snapshot(
+    broker: Broker,
+    limit: int,
+    scheduler_handle: str | None,
+    dag_id: str | None,
+    run_id: str | None,
+) -> dict[str, Any]:
+    try:
+        filters = monitor.Filters.of(scheduler_handle, dag_id, run_id)
+        return monitor.snapshot(broker, filters, limit=limit)
+    except InvalidArgument as exc:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from None
+    except BrokerError as exc:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
+
+
+def _visibility(user: BaseUser) -> Callable[[str | None], bool]:
+    """Whether the user may see rows of a DAG (``None``: rows sent outside Airflow).
+
+    Asked once per DAG id and request, with the DAG's team (multi-team deployments), as
+    Airflow's own DAG run routes ask.
+    """
+    auth_manager = get_auth_manager()
+    answers: dict[str | None, bool] = {}
+
+    def visible(dag_id: str | None) -> bool:
+        if dag_id not in answers:
+            if dag_id is None:
+                answers[None] = auth_manager.is_authorized_view(
+                    access_view=AccessView.CLUSTER_ACTIVITY, user=user
+                )
+            else:
+                answers[dag_id] = auth_manager.is_authorized_dag(
+                    method="GET",
+                    access_entity=DagAccessEntity.RUN,
+                    details=DagDetails(id=dag_id, team_name=_team_names([dag_id]).get(dag_id)),
+                    user=user,
+                )
+        return answers[dag_id]
+
+    return visible
+
+
+def _team_names(dag_ids: Iterable[str]) -> dict[str, str | None]:
+    if not conf.getboolean("core", "multi_team", fallback=False):
+        return {}  # teams exist only in multi-team mode: save the query
+    return DagModel.get_dag_id_to_team_name_mapping(list(dag_ids))
+
+
+def _page(request: Request, fixed: tuple[str, str] | None) -> HTMLResponse:
+    """The page's HTML, with its settings for the script.
+
+    Links are built from the mount point the request came through (``root_path``), so the
+    page works under any ``url_prefix`` and behind Airflow's ``[api] base_url`` path.
+    """
+    base = request.scope.get("root_path", "").rstrip("/")
+    query = request.query_params
+    if fixed is None:
+        title = "Execution Status"
+        api = f"{base}/api/snapshot"
+        filters = {k: query.get(k, "") for k in ("scheduler_handle", "dag_id", "run_id")}
+    else:
+        dag_id, run_id = fixed
+        title = f"Execution Status — {dag_id} / {run_id}"
+        api = f"{base}/api/dags/{_quote(dag_id)}/runs/{_quote(run_id)}/snapshot"
+        filters = {
+            "scheduler_handle": query.get("scheduler_handle", ""),
+            "dag_id": dag_id,
+            "run_id": run_id,
+        }
+    settings = {
+        "api": api,
+        "fixedRun": fixed is not None,
+        "filters": filters,
+        "limit": _int(query.get("limit"), monitor.DEFAULT_LIMIT, 1, monitor.MAX_LIMIT),
+        "refreshSeconds": REFRESH_INTERVAL,
+        "connId": conn_id(),
+    }
+    body = string.Template(_static_text("page.html")).substitute(
+        title=html.escape(title),
+        base=html.escape(base),
+        # JSON inside <script>: "<" escaped so no value can close the element.
+        settings=json.dumps(settings).replace("<", "\\u003c"),
+    )
+    return HTMLResponse(body, headers={"Cache-Control": "no-store"})
+
+
+def _quote(segment: str) -> str:
+    return urllib.parse.quote(segment, safe="")
+
+
+def _int(raw: str | None, default: int, low: int, high: int) -> int:
+    try:
+        return min(max(int(raw), low), high) if raw else default
+    except ValueError:
+        return default
+
+
+@functools.cache
+def _static_text(name: str) -> str:
+    return (importlib.resources.files("scheduler_lib.airflow") / "static" / name).read_text()
