@@ -101,5 +101,11 @@ LEFT JOIN execution_log l ON l.activated_task_id = t.task_id AND l.end_time IS N
 
 UPDATE scheduler_alembic_version SET version_num='s0002' WHERE scheduler_alembic_version.version_num = 's0001';
 
+-- Running upgrade s0002 -> s0003
+
+CREATE INDEX ix_execution_log_airflow ON execution_log (dag_id, run_id, log_id);
+
+UPDATE scheduler_alembic_version SET version_num='s0003' WHERE scheduler_alembic_version.version_num = 's0002';
+
 COMMIT;
 
