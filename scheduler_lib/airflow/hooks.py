@@ -94,6 +94,15 @@ def shared_broker(url: str, *, migrate: bool = True) -> Broker:
         return broker
 
 
+def close_brokers() -> None:
+    """Close the process's shared brokers (their pools and background threads)."""
+    with _brokers_lock:
+        brokers = list(_brokers.values())
+        _brokers.clear()
+    for broker in brokers:
+        broker.close()
+
+
 class SchedulerLibHook(BaseHook):
     """Interact with a scheduler_lib broker: the scheduler's database.
 

@@ -344,9 +344,9 @@ class OrderedWavesOperator(BaseOperator):
                         deadline=time.time() + self.execution_timeout.total_seconds()
                         if self.execution_timeout
                         else None,
+                        carry={"scheduler_handle": key, "index": i, "outcomes": outcomes},
                     ),
                     method_name="resume_wave",
-                    kwargs={"scheduler_handle": key, "index": i, "outcomes": outcomes},
                     timeout=self.execution_timeout or datetime.timedelta(days=7),
                 )
             event = {"status": triggers.DONE, "tasks": triggers.summaries(progress)}
@@ -355,19 +355,15 @@ class OrderedWavesOperator(BaseOperator):
             outcomes = self._after_wave(scheduler, handle, i, event, outcomes)
         return self._finish(scheduler, handle, outcomes)
 
-    def resume_wave(
-        self,
-        context: Context,
-        event: dict[str, Any],
-        scheduler_handle: str,
-        index: int,
-        outcomes: list[list[dict[str, Any]]],
-    ) -> dict[str, Any]:
-        """Back from the triggerer: judge the wave, then send the next one."""
+    def resume_wave(self, context: Context, event: dict[str, Any], **_: Any) -> dict[str, Any]:
+        """Back from the triggerer: judge the wave, then send the next one (where it
+        stands comes back in the event's ``carry``)."""
+        carry = event["carry"]
+        key, index = carry["scheduler_handle"], carry["index"]
         scheduler = self._scheduler(context)
-        handle = scheduler.attach(scheduler_handle)
-        outcomes = self._after_wave(scheduler, handle, index, event, outcomes)
-        return self._from_wave(context, scheduler, scheduler_handle, index + 1, outcomes)
+        handle = scheduler.attach(key)
+        outcomes = self._after_wave(scheduler, handle, index, event, carry["outcomes"])
+        return self._from_wave(context, scheduler, key, index + 1, outcomes)
 
     def _after_wave(
         self,

@@ -38,6 +38,8 @@ class SynchronizationTrigger(BaseTrigger):
     :param scheduler_lib_conn_id: the broker's connection
     :param poll_interval: seconds between looks
     :param deadline: epoch seconds after which it gives up (``None``: never)
+    :param carry: JSON state handed back in every event as ``"carry"`` (what the
+        deferring task needs to go on: ``dag.test()`` drops a deferral's kwargs)
     """
 
     def __init__(
@@ -47,8 +49,10 @@ class SynchronizationTrigger(BaseTrigger):
         scheduler_lib_conn_id: str = hooks.DEFAULT_CONN_ID,
         poll_interval: float = POLL_INTERVAL,
         deadline: float | None = None,
+        carry: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        self.carry = carry
         self.scheduler_handle = str(scheduler_handle)
         self.log_ids = [int(i) for i in log_ids]
         self.scheduler_lib_conn_id = scheduler_lib_conn_id
@@ -64,6 +68,7 @@ class SynchronizationTrigger(BaseTrigger):
                 "scheduler_lib_conn_id": self.scheduler_lib_conn_id,
                 "poll_interval": self.poll_interval,
                 "deadline": self.deadline,
+                "carry": self.carry,
             },
         )
 
@@ -73,7 +78,7 @@ class SynchronizationTrigger(BaseTrigger):
             url, options = hooks.broker_url(conn), hooks.connection_options(conn)
             scheduler = await asyncio.to_thread(_scheduler, url, options["migrate"])
         except Exception as exc:  # a bad connection is the operator's error, not a hang
-            yield TriggerEvent({"status": ERROR, "message": f"{type(exc).__name__}: {exc}"})
+            yield self._event({"status": ERROR, "message": f"{type(exc).__name__}: {exc}"})
             return
         while True:
             try:
@@ -81,15 +86,15 @@ class SynchronizationTrigger(BaseTrigger):
                     scheduler.wave_progress, self.scheduler_handle, self.log_ids
                 )
             except Exception as exc:
-                yield TriggerEvent({"status": ERROR, "message": f"{type(exc).__name__}: {exc}"})
+                yield self._event({"status": ERROR, "message": f"{type(exc).__name__}: {exc}"})
                 return
             if progress.done:
                 # The answers were read from the log; their messages go now.
                 await asyncio.to_thread(scheduler.drain, self.scheduler_handle)
-                yield TriggerEvent({"status": DONE, "tasks": summaries(progress)})
+                yield self._event({"status": DONE, "tasks": summaries(progress)})
                 return
             if progress.ended_by_target is not None:
-                yield TriggerEvent(
+                yield self._event(
                     {
                         "status": ENDED,
                         "message": f"scheduler {self.scheduler_handle}: "
@@ -99,7 +104,7 @@ class SynchronizationTrigger(BaseTrigger):
                 )
                 return
             if self.deadline is not None and time.time() >= self.deadline:
-                yield TriggerEvent(
+                yield self._event(
                     {
                         "status": TIMEOUT,
                         "message": f"scheduler {self.scheduler_handle}: "
@@ -109,6 +114,11 @@ class SynchronizationTrigger(BaseTrigger):
                 )
                 return
             await asyncio.sleep(self.poll_interval)
+
+    def _event(self, payload: dict[str, Any]) -> TriggerEvent:
+        if self.carry is not None:
+            payload["carry"] = self.carry
+        return TriggerEvent(payload)
 
 
 def _scheduler(url: str, migrate: bool) -> TaskScheduler:

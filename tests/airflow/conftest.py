@@ -1,0 +1,160 @@
+"""Fixtures for the Airflow provider's tests: a real, migrated Airflow home (SQLite) for
+the whole run, a ``scheduler_lib_default`` connection per test, and a real
+``scheduler-lib worker`` process (a Spark driver) serving the broker.
+
+Airflow reads its configuration when it is first imported, so the home is chosen here,
+at collection, before any test module imports ``airflow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, TypeVar
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+BIN = Path(sys.executable).parent  # airflow and scheduler-lib live next to python
+WORKER_START = 120.0  # seconds for a worker's JVM to start on a busy machine
+
+_HOME = Path(tempfile.mkdtemp(prefix="scheduler-lib-airflow-"))
+# dag.test() runs only DAGs of a bundle: the examples of dags/ and the tests' own DAGs,
+# linked into one folder.
+DAGS = _HOME / "dags"
+DAGS.mkdir()
+for _source in [*sorted((REPO / "dags").glob("*.py")), *sorted((HERE / "dags").glob("*.py"))]:
+    (DAGS / _source.name).symlink_to(_source)
+AIRFLOW_ENV = {
+    "AIRFLOW_HOME": str(_HOME),
+    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+    "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+    "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+}
+os.environ.update(AIRFLOW_ENV)
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="session")
+def airflow_home() -> Path:
+    """An Airflow home whose metadata database ``airflow db migrate`` created."""
+    done = subprocess.run(
+        [str(BIN / "airflow"), "db", "migrate"],
+        env={**os.environ, **AIRFLOW_ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"airflow db migrate failed:\n{done.stdout}\n{done.stderr}"
+    return _HOME
+
+
+def connection(url: str, **extra: object) -> str:
+    """A ``scheduler_lib`` connection in Airflow's JSON form."""
+    return json.dumps({"conn_type": "scheduler_lib", "host": url, "extra": extra})
+
+
+@pytest.fixture
+def scheduler_lib_conn(
+    db_url: str, airflow_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    """``scheduler_lib_default`` pointing at this test's broker database (both backends);
+    the brokers hooks opened on it are closed before the database is dropped."""
+    from scheduler_lib.airflow import hooks
+
+    monkeypatch.setenv("AIRFLOW_CONN_SCHEDULER_LIB_DEFAULT", connection(db_url))
+    try:
+        yield db_url
+    finally:
+        hooks.close_brokers()
+
+
+class Output:
+    """A process's output, read on a thread, so a test can wait for a line."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def has(self, text: str) -> bool:
+        return any(text in line for line in self.lines)
+
+    def tail(self, n: int = 40) -> str:
+        return "".join(self.lines[-n:])
+
+
+def poll(condition: Callable[[], T], what: str, timeout: float, interval: float = 0.1) -> T:
+    """Re-evaluate ``condition`` until it is truthy; fail after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def spark_worker(scheduler_lib_conn: str, tmp_path: Path) -> Iterator[Output]:
+    """``scheduler-lib worker`` on the test's broker: a real Spark driver (``local[2]``)
+    in its own process, serving spark_sql, python and sql tasks with up to 4 readers."""
+    warehouse = tmp_path / "warehouse"
+    process = subprocess.Popen(
+        [
+            str(BIN / "scheduler-lib"),
+            "worker",
+            "--db",
+            scheduler_lib_conn,
+            "--master",
+            "local[2]",
+            "--max-readers",
+            "4",
+            "--conf",
+            f"spark.sql.warehouse.dir={warehouse}",
+            "--conf",
+            "spark.sql.shuffle.partitions=2",
+            "--conf",
+            "spark.ui.enabled=false",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stdout is not None
+    output = Output(process.stdout)
+    try:
+        poll(
+            lambda: output.has("worker serving") or process.poll() is not None,
+            "the Spark worker to serve",
+            WORKER_START,
+        )
+        assert process.poll() is None, f"the worker exited:\n{output.tail()}"
+        yield output
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, 9)
+                process.wait(timeout=30)

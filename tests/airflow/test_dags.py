@@ -1,0 +1,170 @@
+"""The example DAGs, run with ``dag.test()`` against a migrated Airflow home, on a real
+Spark worker process, on SQLite and PostgreSQL; then the operators' ways to end — a
+failed task fails its sensor (and the DAG run) while the release still runs, and one
+``OrderedWavesOperator`` runs a plan in place or deferring between waves.
+
+Given / When / Then in each test's comments; every figure read back from the broker's
+``execution_log`` (what the executors recorded), not from Airflow's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from airflow.dag_processing.dagbag import DagBag
+
+from scheduler_lib.broker import Broker, activation
+from scheduler_lib.scheduler import catalog, init
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def dags(airflow_home: Path) -> dict[str, Any]:
+    """The DAGs of the tests' DAG folder (``dags/`` and the tests' own), parsed the way
+    Airflow parses them."""
+    bag = DagBag(dag_folder=str(airflow_home / "dags"))
+    assert not bag.import_errors, bag.import_errors
+    return bag.dags
+
+
+@pytest.fixture
+def broker(scheduler_lib_conn: str) -> Iterator[Broker]:
+    """The test's broker, with the scheduler's catalog."""
+    with Broker(scheduler_lib_conn) as b:
+        init(b)
+        yield b
+
+
+def log_rows(broker: Broker, run_id: str) -> list[dict[str, Any]]:
+    return [dict(r) for r in broker.fetch("log_recent", limit=1000) if r["run_id"] == run_id]
+
+
+def states(run: Any) -> dict[str, str]:
+    return {ti.task_id: str(ti.state) for ti in run.get_task_instances()}
+
+
+def released(broker: Broker, handle: str) -> bool:
+    return not [e for e in broker.conversation_endpoints() if str(e.conversation_handle) == handle]
+
+
+def test_example_dags_run_on_a_spark_worker(
+    dags: dict[str, Any], spark_worker: Any, scheduler_lib_conn: str
+) -> None:
+    # Given a Spark worker serving the broker of the scheduler_lib_default connection
+    with Broker(scheduler_lib_conn) as broker:
+        catalog.prepare(broker)  # not init(): the worker made the target a Spark one
+        # When the blog's DAG runs
+        run = dags["scheduler_lib_blog_waves"].test()
+        # Then it succeeded, and each of its waves ran after the one before
+        assert run.state == "success", states(run)
+        rows = sorted(log_rows(broker, run.run_id), key=lambda r: r["log_id"])
+        assert [r["wave"] for r in rows] == [0, 0, 0, 0, 1, 1, 2, 3, 3, 4]
+        assert {r["status"] for r in rows} == {"SUCCEEDED"}
+        assert {r["dag_id"] for r in rows} == {"scheduler_lib_blog_waves"}
+        assert [r["task_id"] for r in rows][:5] == ["exec_async_1"] * 4 + ["exec_async_2"]
+        for wave in range(1, 5):
+            ended = max(r["end_time"] for r in rows if r["wave"] == wave - 1)
+            started = min(r["start_time"] for r in rows if r["wave"] == wave)
+            assert started >= ended, f"wave {wave + 1} started before wave {wave} ended"
+        # ... on the Spark worker (its worker id names the application)
+        assert all(r["worker_id"].rsplit(":", 1)[1].startswith("local-") for r in rows)
+        assert released(broker, rows[0]["scheduler_handle"])
+
+        # When the batch-ETL DAG runs (Spark SQL, templated with the run's date)
+        etl = dags["scheduler_lib_batch_etl"]
+        run = etl.test(logical_date=datetime.datetime(2026, 3, 1, tzinfo=datetime.UTC))
+        # Then its four waves ran in order and the report adds up to the generated orders
+        assert run.state == "success", states(run)
+        rows = sorted(log_rows(broker, run.run_id), key=lambda r: r["log_id"])
+        assert [r["task_id"] for r in rows] == ["etl.load"] * 4 + ["etl.transform"] * 2 + [
+            "etl.aggregate",
+            "etl.report",
+        ]
+        assert {r["status"] for r in rows} == {"SUCCEEDED"}, [r["error"] for r in rows]
+        assert "raw_orders_20260301" in json.loads(rows[0]["task_body"])["sql"][1]
+        report = json.loads(rows[-1]["result"])["rows"]
+        assert [r["region"] for r in report] == ["east", "north", "south", "west"]
+        assert sum(r["orders"] for r in report) == 60_000
+        assert all(r["revenue"] > 0 for r in report)
+        assert all(r["spark_job_group"] == f"scheduler_lib-{r['log_id']}" for r in rows)
+
+
+def test_a_failed_task_fails_its_sensor_and_the_run_and_the_release_still_runs(
+    dags: dict[str, Any], broker: Broker
+) -> None:
+    # Given two waves whose first has a task that raises (test_sensor_fails)
+    # When the DAG runs with executors serving the target queue
+    with activation.running(broker):
+        run = dags["test_sensor_fails"].test()
+    # Then the run failed at the first wave's sensor, the second wave was never sent, and
+    # the release (a teardown) ran
+    got = states(run)
+    assert run.state == "failed", got
+    assert got["plan.wave_1_sync"] == "failed"
+    assert got["plan.wave_2"] == "upstream_failed"
+    assert got["plan.release_scheduler"] == "success"
+    rows = {r["task_name"]: r for r in log_rows(broker, run.run_id)}
+    assert set(rows) == {"fine", "broken"}
+    assert rows["broken"]["status"] == "FAILED"
+    assert "ValueError: math domain error" in rows["broken"]["error"]
+    assert released(broker, rows["fine"]["scheduler_handle"])
+
+
+@pytest.mark.parametrize("mode", ["reschedule", "deferrable"])
+def test_the_sensor_waits_in_each_mode(dags: dict[str, Any], broker: Broker, mode: str) -> None:
+    # Given one wave of two tasks that take a second each
+    # When the DAG runs
+    with activation.running(broker):
+        run = dags[f"test_sensor_{mode}"].test()
+    # Then it succeeded only after both tasks ended
+    assert run.state == "success", states(run)
+    ti = next(t for t in run.get_task_instances() if t.task_id.endswith("wave_1_sync"))
+    rows = log_rows(broker, run.run_id)
+    assert len(rows) == 2 and {r["status"] for r in rows} == {"SUCCEEDED"}
+    assert ti.end_date.timestamp() >= max(r["end_time"] for r in rows)
+
+
+@pytest.mark.parametrize("how", ["in_place", "deferring"])
+def test_ordered_waves_operator_runs_a_plan_as_one_task(
+    dags: dict[str, Any], broker: Broker, how: str
+) -> None:
+    # Given three waves, the first long enough to be deferred (defer_after=0.2 s)
+    # When the DAG runs
+    with activation.running(broker):
+        run = dags[f"test_plan_{how}"].test()
+    # Then one Airflow task ran every wave in order on one scheduler, and released it
+    assert run.state == "success", states(run)
+    rows = sorted(log_rows(broker, run.run_id), key=lambda r: r["log_id"])
+    assert [r["wave"] for r in rows] == [0, 0, 0, 1, 2]
+    assert {r["status"] for r in rows} == {"SUCCEEDED"}
+    assert {r["task_id"] for r in rows} == {"plan"}
+    assert len({r["scheduler_handle"] for r in rows}) == 1
+    assert json.loads(rows[3]["result"]) == 5
+    assert min(r["start_time"] for r in rows[3:]) >= max(r["end_time"] for r in rows[:3])
+    assert released(broker, rows[0]["scheduler_handle"])
+    ti = next(t for t in run.get_task_instances() if t.task_id == "plan")
+    assert [len(w) for w in ti.xcom_pull(task_ids="plan")["waves"]] == [3, 1, 1]
+
+
+def test_ordered_waves_operator_fails_fast_and_cancels_the_rest(
+    dags: dict[str, Any], broker: Broker
+) -> None:
+    # Given a wave where the first task fails at once and six others follow it
+    # When it runs (a cold queue: one reader at first, taking tasks in order)
+    with activation.running(broker):
+        run = dags["test_plan_fail_fast"].test()
+    # Then the Airflow task failed, the tasks not started were cancelled, and the next
+    # wave was never sent
+    assert run.state == "failed", states(run)
+    rows = {r["task_name"]: r for r in log_rows(broker, run.run_id)}
+    assert rows["broken"]["status"] == "FAILED"
+    assert "after" not in rows
+    others = [rows[f"slow {i}"]["status"] for i in range(6)]
+    assert set(others) <= {"CANCELLED", "SUCCEEDED"}, others
+    assert others.count("CANCELLED") >= 4, others
