@@ -9,6 +9,7 @@ and :func:`ordered_waves` (DESIGN.md section 11).
 Importing this package imports Airflow; nothing else of ours depends on it.
 """
 
+from scheduler_lib.airflow import hooks, provider, triggers
 from scheduler_lib.airflow.hooks import DEFAULT_CONN_ID, SchedulerLibHook
 from scheduler_lib.airflow.operators import (
     ExecAsyncOperator,
@@ -29,5 +30,8 @@ __all__ = [
     "SchedulerLibHook",
     "SynchronizationSensor",
     "SynchronizationTrigger",
+    "hooks",
     "ordered_waves",
+    "provider",
+    "triggers",
 ]

@@ -271,6 +271,7 @@ class OrderedWavesOperator(BaseOperator):
         self.trigger_poll_interval = trigger_poll_interval
         self.scheduler_lib_conn_id = scheduler_lib_conn_id
         self._running: tuple[TaskScheduler, SchedulerHandle] | None = None
+        self._killed = False
 
     def _scheduler(self, context: Context) -> TaskScheduler:
         load_kinds()
@@ -288,6 +289,9 @@ class OrderedWavesOperator(BaseOperator):
 
         def progress(wave: int, completion: Completion) -> None:
             nonlocal done
+            if self._killed:
+                # Out of run_waves, whose exit releases the scheduler.
+                raise AirflowFailException(f"{self.task_id}: killed; the plan was cancelled")
             done += 1
             self.log.info(
                 "wave %d/%d: %s %s (%d/%d)",
@@ -399,12 +403,15 @@ class OrderedWavesOperator(BaseOperator):
         return result
 
     def on_kill(self) -> None:
-        """Killed while it runs: cancel the plan's queued tasks, stop the running ones,
-        release the scheduler."""
+        """Killed while it runs: cancel the plan's queued tasks and stop the running ones.
+        They answer ``CANCELLED`` at once (or when they stop), and the first answer ends
+        the plan, which releases the scheduler — releasing it here instead would leave
+        the waiting thread with a conversation nobody answers on."""
+        self._killed = True
         running = self._running
         if running is not None:
             scheduler, handle = running
-            scheduler.release_scheduler(handle)
+            scheduler.cancel(handle, "cancelled: the Airflow task was killed")
 
 
 def _rendered_later(value: Any) -> bool:
