@@ -60,7 +60,7 @@ from scheduler_lib.scheduler import monitor
 
 URL_PREFIX = "/scheduler-lib"  # where the api-server mounts the app
 CONFIG_SECTION = "scheduler_lib"
-REFRESH_INTERVAL = 3.0  # seconds between the page's polls
+REFRESH_INTERVAL = 3  # seconds between the page's polls (``?refresh=N`` to change)
 STATIC_FILES = {  # name -> media type: the only files the static route serves
     "page.js": "text/javascript; charset=utf-8",
     "page.css": "text/css; charset=utf-8",
@@ -235,12 +235,12 @@ def _page(request: Request, fixed: tuple[str, str] | None) -> HTMLResponse:
     base = request.scope.get("root_path", "").rstrip("/")
     query = request.query_params
     if fixed is None:
-        title = "Execution Status"
+        title, subtitle = "Execution Status", "scheduler_lib: what runs now and what ran"
         api = f"{base}/api/snapshot"
         filters = {k: query.get(k, "") for k in ("scheduler_handle", "dag_id", "run_id")}
     else:
         dag_id, run_id = fixed
-        title = f"Execution Status — {dag_id} / {run_id}"
+        title, subtitle = "Execution Status", f"{dag_id} / {run_id}"
         api = f"{base}/api/dags/{_quote(dag_id)}/runs/{_quote(run_id)}/snapshot"
         filters = {
             "scheduler_handle": query.get("scheduler_handle", ""),
@@ -252,11 +252,12 @@ def _page(request: Request, fixed: tuple[str, str] | None) -> HTMLResponse:
         "fixedRun": fixed is not None,
         "filters": filters,
         "limit": _int(query.get("limit"), monitor.DEFAULT_LIMIT, 1, monitor.MAX_LIMIT),
-        "refreshSeconds": REFRESH_INTERVAL,
+        "refreshSeconds": _int(query.get("refresh"), REFRESH_INTERVAL, 1, 3600),
         "connId": conn_id(),
     }
     body = string.Template(_static_text("page.html")).substitute(
         title=html.escape(title),
+        subtitle=html.escape(subtitle),
         base=html.escape(base),
         # JSON inside <script>: "<" escaped so no value can close the element.
         settings=json.dumps(settings).replace("<", "\\u003c"),

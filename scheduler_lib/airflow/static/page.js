@@ -17,9 +17,10 @@
   }
   form.elements.limit.value = settings.limit;
   if (settings.fixedRun) {
-    // The per-run tab shows one run: its DAG and run are not the user's to change.
-    form.elements.dag_id.disabled = true;
-    form.elements.run_id.disabled = true;
+    // The per-run tab shows one run: its DAG and run are not the user's to change, and
+    // Airflow's page around the tab names them already.
+    for (const name of ["dag_id", "run_id"]) form.elements[name].closest("label").hidden = true;
+    for (const th of document.querySelectorAll("th.airflow")) th.textContent = "Airflow task";
   }
 
   function currentFilters() {
@@ -124,7 +125,7 @@
     const counts = {};
     for (const row of data.log) counts[row.status] = (counts[row.status] || 0) + 1;
     const busy = data.running.filter((r) => r.log_id !== null).length;
-    const chips = [el("span", { class: "chip RUNNING" }, `${busy} running now`)];
+    const chips = [el("span", { class: "chip IDLE" }, `${busy} reader${busy === 1 ? "" : "s"} busy`)];
     for (const status of STATUSES) {
       if (counts[status]) {
         chips.push(el("span", { class: `chip ${status}` }, `${counts[status]} ${status.toLowerCase()}`));
@@ -148,9 +149,9 @@
           el("td", {}, r.queue_name),
           el("td", {}, r.log_id === null ? el("span", { class: "badge IDLE" }, "idle") : r.task_name),
           el("td", {}, airflowCell(r)),
-          el("td", { class: "num" }, r.wave ?? ""),
+          el("td", { class: "num" }, waveOf(r)),
           el("td", {}, handleCell(r.scheduler_handle)),
-          el("td", {}, clock(r.start_time)),
+          el("td", { class: "time" }, clock(r.start_time)),
           el("td", { class: "num" }, r.start_time ? seconds(now - r.start_time) : ""),
           el("td", { class: "num" }, r.reader_heartbeat_at ? seconds(now - r.reader_heartbeat_at) + " ago" : ""),
         ]),
@@ -173,12 +174,12 @@
           el("td", {}, el("span", { class: `badge ${r.status}` }, r.status)),
           el("td", { class: "task-name" }, r.task_name),
           el("td", {}, r.task_kind),
-          el("td", { class: "num" }, r.wave ?? ""),
+          el("td", { class: "num" }, waveOf(r)),
           el("td", {}, airflowCell(r)),
           el("td", {}, handleCell(r.scheduler_handle)),
-          el("td", {}, el("code", {}, shortWorker(r.worker_id))),
-          el("td", {}, r.status === "QUEUED" ? "" : clock(r.start_time)),
-          el("td", { class: "num" }, duration(r, now)),
+          el("td", { title: r.worker_id || "" }, el("code", {}, shorten(r.worker_id, 30))),
+          el("td", { class: "time" }, r.status === "QUEUED" ? "" : clock(r.start_time)),
+          el("td", { class: "num time" }, duration(r, now)),
           el("td", { class: "num" }, r.attempts),
           el("td", { class: "error", title: r.error || "" }, r.error || ""),
         ]),
@@ -196,7 +197,10 @@
     }
     const end = (r) => r.end_time ?? now;
     const t0 = Math.min(...started.map((r) => r.start_time));
-    const t1 = Math.max(now, ...started.map(end));
+    // While something is open the axis runs to now; after, it ends with the last row,
+    // so a finished run keeps its shape instead of shrinking as time passes.
+    const open = started.some((r) => r.end_time === null || r.end_time === undefined);
+    const t1 = open ? Math.max(now, ...started.map(end)) : Math.max(...started.map(end));
     const lanes = [...new Set(started.map((r) => laneOf(r)))].sort((a, b) =>
       a === "queued" ? 1 : b === "queued" ? -1 : a.localeCompare(b),
     );
@@ -214,7 +218,9 @@
     lanes.forEach((lane, i) => {
       const y = top + i * laneHeight;
       if (i % 2 === 0) svg.append(svgEl("rect", { class: "lane", x: 0, y, width, height: laneHeight }));
-      svg.append(svgEl("text", { x: 6, y: y + 16 }, shortWorker(lane === "queued" ? "queued (not started)" : lane)));
+      const label = svgEl("text", { x: 6, y: y + 16 }, lane === "queued" ? "queued (not started)" : shorten(lane, 27));
+      label.append(svgEl("title", {}, lane));
+      svg.append(label);
     });
     for (const r of started) {
       const y = top + lanes.indexOf(laneOf(r)) * laneHeight + 3;
@@ -222,14 +228,14 @@
       const bar = svgEl("rect", {
         class: `bar ${r.status}`, x: x0, y, width: w, height: laneHeight - 6, "data-log-id": r.log_id,
       });
-      bar.append(svgEl("title", {}, `${r.task_name} — ${r.status}, wave ${r.wave ?? "?"}, ` +
+      bar.append(svgEl("title", {}, `${r.task_name} — ${r.status}, wave ${waveOf(r) || "?"}, ` +
         `${duration(r, now)}${r.error ? "\n" + r.error : ""}`));
       svg.append(bar);
       if (w > 24 && r.wave !== null) {
-        svg.append(svgEl("text", { class: "bar-label", x: x0 + 4, y: y + 13 }, `w${r.wave}`));
+        svg.append(svgEl("text", { class: "bar-label", x: x0 + 4, y: y + 13 }, `w${waveOf(r)}`));
       }
     }
-    svg.append(svgEl("line", { class: "now", x1: x(now), x2: x(now), y1: top - 4, y2: height }));
+    if (open) svg.append(svgEl("line", { class: "now", x1: x(now), x2: x(now), y1: top - 4, y2: height }));
     box.replaceChildren(svg);
   }
 
@@ -241,6 +247,7 @@
 
   function airflowCell(r) {
     if (!r.dag_id) return el("span", { class: "muted" }, "—");
+    if (settings.fixedRun) return r.task_id || "";
     const parts = [filterLink("dag_id", r.dag_id, r.dag_id)];
     if (r.run_id) parts.push(" / ", filterLink("run_id", r.run_id, r.run_id, r.dag_id));
     if (r.task_id) parts.push(" / ", r.task_id);
@@ -266,10 +273,17 @@
     return link;
   }
 
-  function shortWorker(worker) {
-    // host:pid:reader[:application]: the host and reader say most in little room.
-    if (!worker) return "";
-    return worker.length > 34 ? worker.slice(0, 33) + "…" : worker;
+  function shorten(text, room) {
+    // Worker ids read host:pid:reader[:application]: keep both ends, they say most.
+    if (!text) return "";
+    if (text.length <= room) return text;
+    const head = Math.ceil((room - 1) / 2), tail = Math.floor((room - 1) / 2);
+    return text.slice(0, head) + "…" + text.slice(text.length - tail);
+  }
+
+  function waveOf(r) {
+    // The log counts waves from 0; people (and the DAGs) from 1.
+    return r.wave === null || r.wave === undefined ? "" : r.wave + 1;
   }
 
   function duration(r, now) {
