@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) -m bench.activation_latency
 	$(PY) -m bench.scheduler_loop
 	$(PY) -m bench.spark_overhead
+	$(PY) -m bench.airflow_waves
 
 ## Regenerate the reference DDL in sql/ from the migrations.
 sql: $(STAMP)

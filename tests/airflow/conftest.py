@@ -14,14 +14,18 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent / "integration"))  # multiproc: poll
+
+from multiproc import poll  # noqa: E402
+
 BIN = Path(sys.executable).parent  # airflow and scheduler-lib live next to python
 WORKER_START = 120.0  # seconds for a worker's JVM to start on a busy machine
 
@@ -40,8 +44,6 @@ AIRFLOW_ENV = {
     "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
 }
 os.environ.update(AIRFLOW_ENV)
-
-T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -97,20 +99,6 @@ class Output:
         return "".join(self.lines[-n:])
 
 
-def poll(condition: Callable[[], T], what: str, timeout: float, interval: float = 0.1) -> T:
-    """Re-evaluate ``condition`` until it is truthy; fail after ``timeout`` seconds."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
 @pytest.fixture
 def spark_worker(scheduler_lib_conn: str, tmp_path: Path) -> Iterator[Output]:
     """``scheduler-lib worker`` on the test's broker: a real Spark driver (``local[2]``)
@@ -145,8 +133,8 @@ def spark_worker(scheduler_lib_conn: str, tmp_path: Path) -> Iterator[Output]:
     try:
         poll(
             lambda: output.has("worker serving") or process.poll() is not None,
-            "the Spark worker to serve",
             WORKER_START,
+            "the Spark worker to serve",
         )
         assert process.poll() is None, f"the worker exited:\n{output.tail()}"
         yield output

@@ -1,0 +1,429 @@
+"""The Execution Status page: its data (:mod:`scheduler_lib.scheduler.monitor`) on SQLite
+and PostgreSQL, and its routes mounted by Airflow's own api-server app, in process.
+
+The api-server is Airflow's real ``create_app`` on the suite's temporary, migrated
+``AIRFLOW_HOME`` (``conftest.py``), with the plugin loaded from ``plugins/`` and Airflow's
+own auth manager (the simple one) signing the JWTs the tests present. What it proves:
+
+- every route of the plugin answers 401 to an anonymous request, and uses Airflow's
+  authorization (a user without a role sees no DAG's rows and may not open a run's tab;
+  a DAG the auth manager refuses is left out of the top-level page);
+- the page and its JSON show the broker's rows, filtered by scheduler handle, DAG and
+  run, with the connection read from an environment variable or from the metastore;
+- each filtered log query reads an index (no full scan), checked on the query plan.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from scheduler_lib.broker import Broker, activation
+from scheduler_lib.broker import queries as broker_queries
+from scheduler_lib.broker.exceptions import InvalidArgument
+from scheduler_lib.scheduler import Target, Task, TaskScheduler, init, monitor
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGINS = REPO / "plugins"
+WAIT = 30.0  # seconds: deadline for conditions that hold within a second or two
+PREFIX = "/scheduler-lib"
+RUN_1 = "manual__2026-11-24T10:00:00+00:00"  # run ids carry ':' and '+': URLs must quote them
+RUN_2 = "scheduled__2026-11-24T11:00:00+00:00"
+
+
+def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Re-evaluate ``condition`` until it is truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"{what}: not within {timeout} s")
+        time.sleep(0.05)
+
+
+# --- rows to show -----------------------------------------------------------------------
+
+
+class Sent:
+    """What :func:`send_rows` wrote: the handles and log ids of each sender."""
+
+    def __init__(self) -> None:
+        self.handles: dict[str, str] = {}
+        self.log_ids: dict[str, list[int]] = {}
+
+    def everything(self) -> list[int]:
+        """Every log id sent, newest first."""
+        return sorted((i for ids in self.log_ids.values() for i in ids), reverse=True)
+
+
+def send_rows(broker: Broker) -> Sent:
+    """Given four schedulers — DAG ``etl`` runs 1 and 2, DAG ``other`` run 1, and one
+    outside Airflow — each sends three tasks (nobody serves the queue: they stay
+    QUEUED)."""
+    init(broker, targets=[Target(activation=False)])
+    senders = {
+        "etl-1": {"dag_id": "etl", "run_id": RUN_1, "task_id": "exec_async_1"},
+        "etl-2": {"dag_id": "etl", "run_id": RUN_2, "task_id": "exec_async_1"},
+        "other-1": {"dag_id": "other", "run_id": RUN_1, "task_id": "load"},
+        "plain": None,
+    }
+    sent = Sent()
+    for name, context in senders.items():
+        scheduler = TaskScheduler(broker, context=context)
+        handle = scheduler.get_scheduler()
+        sent.handles[name] = str(handle.conversation_handle)
+        sent.log_ids[name] = [
+            scheduler.exec_async(handle, Task.sql("SELECT 1", name=f"{name} task {i}"), wave=1)
+            for i in range(1, 4)
+        ]
+    return sent
+
+
+def ids(rows: list[dict[str, Any]]) -> list[int]:
+    return [r["log_id"] for r in rows]
+
+
+# --- the data: scheduler_lib.scheduler.monitor (SQLite and PostgreSQL) ------------------
+
+
+def test_execution_log_filters_by_handle_dag_and_run(broker: Broker) -> None:
+    sent = send_rows(broker)
+    newest_first = sent.everything()
+
+    def log(**filters: str) -> list[int]:
+        return ids(monitor.execution_log(broker, monitor.Filters.of(**filters)))
+
+    assert log() == newest_first
+    assert log(scheduler_handle=sent.handles["etl-2"]) == sent.log_ids["etl-2"][::-1]
+    assert log(dag_id="etl") == (sent.log_ids["etl-1"] + sent.log_ids["etl-2"])[::-1]
+    assert log(dag_id="etl", run_id=RUN_1) == sent.log_ids["etl-1"][::-1]
+    assert log(dag_id="other", run_id=RUN_1) == sent.log_ids["other-1"][::-1]
+    assert log(scheduler_handle=sent.handles["etl-1"], dag_id="etl") == sent.log_ids["etl-1"][::-1]
+    # A handle and a run that do not belong together: nothing.
+    assert log(scheduler_handle=sent.handles["etl-1"], dag_id="etl", run_id=RUN_2) == []
+    assert log(dag_id="nope") == []
+    # Blanks (an empty filter box) mean "any".
+    assert log(scheduler_handle=" ", dag_id="", run_id="") == newest_first
+    assert ids(monitor.execution_log(broker, limit=2)) == newest_first[:2]
+
+    row = monitor.execution_log(broker, monitor.Filters(dag_id="other"), limit=1)[0]
+    assert row["status"] == "QUEUED" and row["task_name"] == "other-1 task 3"
+    assert (row["dag_id"], row["run_id"], row["task_id"], row["wave"]) == (
+        "other",
+        RUN_1,
+        "load",
+        1,
+    )
+    assert isinstance(row["start_time"], float) and row["end_time"] is None
+    assert "task_body" not in row and "result" not in row  # large: not for a screen
+
+
+def test_bad_filters_are_refused_with_a_reason(broker: Broker) -> None:
+    with pytest.raises(InvalidArgument, match="run_id 'r' needs dag_id"):
+        monitor.Filters.of(run_id="r")
+    for limit in (0, monitor.MAX_LIMIT + 1, True):
+        with pytest.raises(InvalidArgument, match="limit must be"):
+            monitor.execution_log(broker, limit=limit)
+
+
+def test_execution_status_shows_the_running_task_of_a_run(broker: Broker) -> None:
+    init(broker, targets=[Target(max_readers=1)])
+    context = {"dag_id": "etl", "run_id": RUN_1, "task_id": "exec_async_1"}
+    scheduler = TaskScheduler(broker, context=context)
+    with (
+        activation.running(broker, empty_grace=0.1, check_interval=0.2),
+        scheduler.scheduler() as handle,
+    ):
+        log_id = scheduler.exec_async(handle, Task.python("time:sleep", 2.0, name="long"))
+        # Given the task runs, when the page asks for its run, then it is there.
+        this_run = monitor.Filters(dag_id="etl", run_id=RUN_1)
+        (row,) = poll(
+            lambda: [r for r in monitor.execution_status(broker, this_run) if r["log_id"]],
+            WAIT,
+            "the running task shows for its run",
+        )
+        assert (row["log_id"], row["status"], row["task_name"]) == (log_id, "RUNNING", "long")
+        assert row["reader_task_id"] and row["queue_name"] == "QueueAsyncTarget"
+        assert monitor.execution_status(broker, monitor.Filters(dag_id="other")) == []
+        assert log_id in ids(monitor.execution_status(broker))
+        snapshot = monitor.snapshot(broker, this_run)
+        assert ids(snapshot["running"]) == [log_id] and ids(snapshot["log"]) == [log_id]
+        assert abs(snapshot["now"] - time.time()) < 5
+        assert scheduler.synchronization(handle, timeout=WAIT).ok
+
+
+# Each filter shape, with the indexes that can serve it (the planner picks one).
+BY_HANDLE = ("ix_execution_log_scheduler",)
+BY_RUN = ("ix_execution_log_airflow",)
+INDEXED_QUERIES = {
+    "monitor_log_of_scheduler": ({"handle": "h"}, BY_HANDLE),
+    "monitor_log_of_scheduler_in_dag": ({"handle": "h", "dag_id": "d"}, BY_HANDLE + BY_RUN),
+    "monitor_log_of_scheduler_in_run": (
+        {"handle": "h", "dag_id": "d", "run_id": "r"},
+        BY_HANDLE + BY_RUN,
+    ),
+    "monitor_log_of_dag": ({"dag_id": "d"}, BY_RUN),
+    "monitor_log_of_run": ({"dag_id": "d", "run_id": "r"}, BY_RUN),
+}
+
+
+@pytest.mark.parametrize("query", sorted(INDEXED_QUERIES))
+def test_filtered_log_queries_read_an_index(broker: Broker, query: str) -> None:
+    send_rows(broker)
+    params, indexes = INDEXED_QUERIES[query]
+    sql = broker_queries.for_dialect(broker.dialect, "scheduler_lib.scheduler")[query]
+    engine = sa.create_engine(broker.url)
+    try:
+        with engine.connect() as conn:
+            if broker.dialect == "postgresql":
+                # A few rows make a sequential scan the cheapest plan; forbid it to see
+                # whether an index can serve the query at all (a plan without one still
+                # shows "Seq Scan", with a prohibitive cost).
+                conn.exec_driver_sql("SET enable_seqscan = off")
+                plan = "\n".join(
+                    r[0]
+                    for r in conn.execute(sa.text(f"EXPLAIN {sql.text}"), {**params, "limit": 9})
+                )
+                assert "Seq Scan" not in plan, plan
+            else:
+                plan = "\n".join(
+                    r[-1]
+                    for r in conn.execute(
+                        sa.text(f"EXPLAIN QUERY PLAN {sql.text}"), {**params, "limit": 9}
+                    )
+                )
+                assert "SCAN execution_log" not in plan, plan
+    finally:
+        engine.dispose()
+    assert any(index in plan for index in indexes), plan
+
+
+# --- Airflow's api-server, in process ---------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def api_server(airflow_home: Path) -> Iterator[Any]:
+    """Airflow's api-server app (core API and UI plugins) on the suite's Airflow home
+    (``conftest.py``), with our plugin loaded from ``plugins/``, behind a test client."""
+    # Long enough for SHA512 (PyJWT warns below 64 bytes); read when tokens are signed.
+    os.environ.setdefault("AIRFLOW__API_AUTH__JWT_SECRET", secrets.token_hex(48))
+    from airflow import plugins_manager, settings
+    from airflow.api_fastapi.app import create_app
+    from fastapi.testclient import TestClient
+
+    # Plugins are found once per process: make sure it is our folder they come from.
+    settings.PLUGINS_FOLDER = str(PLUGINS)
+    for value in vars(plugins_manager).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+    with TestClient(create_app("core")) as client:
+        yield client
+
+
+def token_for(role: str | None, name: str = "tester") -> str:
+    """A JWT that Airflow's auth manager signed, for a user of the simple auth manager
+    (``role=None``: logged in, but allowed nothing)."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    return get_auth_manager().generate_jwt(SimpleAuthManagerUser(username=name, role=role))
+
+
+@pytest.fixture
+def admin(api_server: Any) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token_for('admin')}"}
+
+
+@pytest.fixture
+def ui_broker(scheduler_lib_conn: str, api_server: Any) -> Iterator[tuple[Broker, Sent]]:
+    """The rows of :func:`send_rows` in a fresh broker (both backends), which the page's
+    connection (``scheduler_lib_default``, an environment variable) points at."""
+    broker = Broker(scheduler_lib_conn)
+    try:
+        yield broker, send_rows(broker)
+    finally:
+        broker.close()
+
+
+def plugin_paths(api_server: Any) -> list[str]:
+    """A concrete URL for every route of the plugin's app, as the api-server mounts it."""
+    from fastapi import FastAPI
+    from fastapi.routing import APIRoute
+    from starlette.routing import Mount
+
+    (mount,) = [r for r in api_server.app.routes if isinstance(r, Mount) and r.path == PREFIX]
+    assert isinstance(mount.app, FastAPI)
+    paths = []
+    for route in mount.app.routes:
+        assert isinstance(route, APIRoute), route
+        path = route.path.replace("{run_id:path}", "{run_id}")
+        path = path.format(dag_id="etl", run_id=urllib.parse.quote(RUN_1, safe=""), name="page.js")
+        paths.append(PREFIX + path)
+    return paths
+
+
+def test_every_route_of_the_plugin_refuses_an_anonymous_request(
+    api_server: Any, admin: dict[str, str], ui_broker: tuple[Broker, Sent]
+) -> None:
+    from fastapi.testclient import TestClient
+
+    browser = TestClient(api_server.app, cookies={"_token": token_for("admin")})
+    paths = plugin_paths(api_server)
+    assert len(paths) == 5, paths  # page, run page, two snapshots, static
+    for path in paths:
+        anonymous = api_server.get(path)
+        assert anonymous.status_code == 401, (path, anonymous.text)
+        assert anonymous.json() == {"detail": "Not authenticated"}
+        # Not any token: one Airflow did not sign is refused as well.
+        forged = api_server.get(path, headers={"Authorization": "Bearer not.a.jwt"})
+        assert forged.status_code in (401, 403), (path, forged.status_code)
+        # The same route with a login answers.
+        assert api_server.get(path, headers=admin).status_code == 200, path
+        # Airflow's UI holds the JWT in a cookie, which the page's requests carry.
+        assert browser.get(path).status_code == 200, path
+
+
+def test_snapshot_shows_the_rows_filtered(
+    api_server: Any, admin: dict[str, str], ui_broker: tuple[Broker, Sent]
+) -> None:
+    _, sent = ui_broker
+
+    def log(**params: Any) -> list[int]:
+        response = api_server.get(f"{PREFIX}/api/snapshot", params=params, headers=admin)
+        assert response.status_code == 200, response.text
+        return ids(response.json()["log"])
+
+    everything = sent.everything()
+    assert log() == everything
+    assert log(scheduler_handle=sent.handles["plain"]) == sent.log_ids["plain"][::-1]
+    assert log(dag_id="etl", run_id=RUN_2) == sent.log_ids["etl-2"][::-1]
+    assert log(dag_id="other") == sent.log_ids["other-1"][::-1]
+    assert log(limit=4) == everything[:4]
+
+    refused = api_server.get(f"{PREFIX}/api/snapshot", params={"run_id": RUN_1}, headers=admin)
+    assert refused.status_code == 400 and "needs dag_id" in refused.json()["detail"]
+    too_many = api_server.get(f"{PREFIX}/api/snapshot", params={"limit": 10**6}, headers=admin)
+    assert too_many.status_code == 422
+
+
+def test_run_tab_shows_only_its_run(
+    api_server: Any, admin: dict[str, str], ui_broker: tuple[Broker, Sent]
+) -> None:
+    _, sent = ui_broker
+    run = urllib.parse.quote(RUN_1, safe="")
+    data = api_server.get(f"{PREFIX}/api/dags/etl/runs/{run}/snapshot", headers=admin).json()
+    assert ids(data["log"]) == sent.log_ids["etl-1"][::-1]
+    assert data["filters"] == {"scheduler_handle": None, "dag_id": "etl", "run_id": RUN_1}
+
+    page = api_server.get(f"{PREFIX}/dags/etl/runs/{run}", headers=admin)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    # The page polls its run's snapshot through the mount point it was served from.
+    assert f'"api": "{PREFIX}/api/dags/etl/runs/{run}/snapshot"' in page.text
+    assert '"fixedRun": true' in page.text
+    assert f"<title>Execution Status — etl / {RUN_1}</title>" in page.text
+
+
+def test_page_escapes_what_it_echoes(api_server: Any, admin: dict[str, str]) -> None:
+    # In the title (HTML) and in the settings (JSON inside a <script> element).
+    tag = '"><img src=x onerror=alert(1)>'
+    page = api_server.get(f"{PREFIX}/dags/{urllib.parse.quote(tag, safe='')}/runs/r", headers=admin)
+    assert page.status_code == 200
+    assert "<img" not in page.text
+    assert "&quot;&gt;&lt;img src=x onerror=alert(1)&gt;" in page.text
+    closing = "</script><script>alert(1)</script>"
+    top = api_server.get(f"{PREFIX}/", params={"dag_id": closing}, headers=admin)
+    assert top.status_code == 200
+    assert "<script>alert(1)" not in top.text
+    assert "\\u003c/script>\\u003cscript>alert(1)" in top.text
+
+
+def test_a_user_sees_only_the_dags_airflow_lets_them_read(
+    api_server: Any,
+    admin: dict[str, str],
+    ui_broker: tuple[Broker, Sent],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from airflow.api_fastapi.app import get_auth_manager
+
+    _, sent = ui_broker
+    run = urllib.parse.quote(RUN_1, safe="")
+    # Given a logged-in user without a role: Airflow allows them nothing.
+    nobody = {"Authorization": f"Bearer {token_for(None, 'nobody')}"}
+    assert api_server.get(f"{PREFIX}/", headers=nobody).status_code == 200
+    snapshot = api_server.get(f"{PREFIX}/api/snapshot", headers=nobody).json()
+    assert snapshot["log"] == []
+    for path in (f"/dags/etl/runs/{run}", f"/api/dags/etl/runs/{run}/snapshot"):
+        assert api_server.get(PREFIX + path, headers=nobody).status_code == 403, path
+
+    # Given an auth manager that refuses DAG "other" (to everyone): its rows go.
+    auth_manager = get_auth_manager()
+    allowed = auth_manager.is_authorized_dag
+    asked: list[Any] = []
+
+    def refuse_other(**kwargs: Any) -> bool:
+        asked.append(kwargs["details"].id)
+        return kwargs["details"].id != "other" and allowed(**kwargs)
+
+    monkeypatch.setattr(auth_manager, "is_authorized_dag", refuse_other)
+    shown = ids(api_server.get(f"{PREFIX}/api/snapshot", headers=admin).json()["log"])
+    assert not set(sent.log_ids["other-1"]) & set(shown)
+    assert set(sent.log_ids["etl-1"] + sent.log_ids["plain"]) <= set(shown)
+    assert sorted(set(asked)) == ["etl", "other"]  # asked once per DAG, not per row
+    assert api_server.get(f"{PREFIX}/dags/other/runs/{run}", headers=admin).status_code == 403
+
+
+def test_connection_from_the_metastore(
+    api_server: Any, admin: dict[str, str], sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow.models.connection import Connection
+    from airflow.utils.session import create_session
+
+    from scheduler_lib.airflow import hooks
+
+    broker = Broker(sqlite_url)
+    sent = send_rows(broker)
+    conn_id = f"scheduler_lib_ui_{secrets.token_hex(4)}"
+    with create_session() as session:
+        session.add(Connection(conn_id=conn_id, conn_type="scheduler_lib", host=sqlite_url))
+    monkeypatch.setenv("AIRFLOW__SCHEDULER_LIB__UI_CONN_ID", conn_id)
+    try:
+        data = api_server.get(f"{PREFIX}/api/snapshot", headers=admin).json()
+        assert sorted(ids(data["log"])) == sorted(sent.everything())
+    finally:
+        with create_session() as session:
+            session.query(Connection).filter(Connection.conn_id == conn_id).delete()
+        broker.close()
+        hooks.close_brokers()
+
+
+def test_a_missing_connection_is_named(
+    api_server: Any, admin: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIRFLOW__SCHEDULER_LIB__UI_CONN_ID", "no_such_connection")
+    response = api_server.get(f"{PREFIX}/api/snapshot", headers=admin)
+    assert response.status_code == 503
+    assert "'no_such_connection' is not defined" in response.json()["detail"]
+
+
+def test_airflow_lists_the_page_and_the_run_tab(api_server: Any, admin: dict[str, str]) -> None:
+    plugins = api_server.get("/api/v2/plugins", headers=admin).json()["plugins"]
+    (plugin,) = [p for p in plugins if p["name"] == "scheduler_lib"]
+    assert plugin["fastapi_apps"][0]["url_prefix"] == PREFIX
+    views = {v["destination"]: v for v in plugin["external_views"]}
+    assert views["nav"]["url_route"] == "execution-status"
+    assert views["nav"]["href"] == f"{PREFIX}/"
+    # The UI puts the run it shows into these placeholders.
+    assert views["dag_run"]["href"] == f"{PREFIX}/dags/{{DAG_ID}}/runs/{{RUN_ID}}"
+    assert views["dag_run"]["url_route"] == "execution-status-run"
+    icon = api_server.get(views["nav"]["icon"], headers=admin)
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
