@@ -8,8 +8,9 @@ generates for the run's date, on a scheduler_lib Spark worker.
     report:    the day's revenue per region and category, back through XCom
 
 One :func:`~scheduler_lib.airflow.ordered_waves` call draws it as a task group:
-``etl.get_scheduler >> etl.load >> etl.load_sync >> … >> etl.release_scheduler``; the
-sensors wait in the triggerer (``deferrable=True``). Every statement is templated, so
+``etl.get_scheduler >> etl.load >> etl.transform >> … >> etl.release_scheduler``, one
+Airflow task per wave that sends it and waits for it — in the triggerer once a wave has
+run a couple of seconds (``deferrable=True``). Every statement is templated, so
 each run writes the partition of its own logical date.
 
 Needs a ``scheduler_lib_default`` connection and a Spark worker on the same database:
@@ -148,7 +149,6 @@ with DAG(
         group_id="etl",
         wave_names=["load", "transform", "aggregate", "report"],
         deferrable=True,
-        sensor_kwargs={"poke_interval": 1.0},
     )
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from scheduler_lib.scheduler import (
     Task,
     TaskScheduler,
     WaveFailed,
+    WaveProgress,
 )
 from scheduler_lib.scheduler.client import POLICIES
 
@@ -111,7 +112,8 @@ class GetSchedulerOperator(BaseOperator):
 
 
 class ExecAsyncOperator(BaseOperator):
-    """ExecAsync for one wave: log and send its tasks in one transaction (all or none).
+    """ExecAsync for one wave: log and send its tasks in one transaction (all or none) —
+    and, with ``wait=True``, Synchronization for them too: one Airflow task per wave.
 
     Each task is a JSON object with a ``kind`` and the kind's fields, e.g.
     ``{"kind": "spark_sql", "sql": "INSERT INTO t SELECT ... WHERE day = '{{ ds }}'"}``
@@ -122,8 +124,15 @@ class ExecAsyncOperator(BaseOperator):
     :param scheduler_task_id: the ``GetSchedulerOperator`` whose handle to use
     :param scheduler_handle: a handle given directly instead (templated)
     :param wave: the wave's number as people read it (from 1), kept in the log
+    :param wait: wait until the wave has completed, and fail (with the tasks' errors)
+        when a task did not succeed; a retry of this Airflow task sends the wave again
+    :param deferrable: with ``wait``, wait in the triggerer once ``defer_after`` seconds
+        have passed
+    :param defer_after: seconds to wait in place before deferring
+    :param trigger_poll_interval: seconds between the trigger's looks
     :param scheduler_lib_conn_id: the broker's connection
-    :return: (XCom) ``{"scheduler_handle": ..., "log_ids": [...], "wave": n}``
+    :return: (XCom) ``{"scheduler_handle": ..., "log_ids": [...], "wave": n}``, plus
+        ``"tasks"`` (each task's outcome) with ``wait``
     """
 
     template_fields: Sequence[str] = ("tasks", "scheduler_handle")
@@ -137,6 +146,10 @@ class ExecAsyncOperator(BaseOperator):
         scheduler_task_id: str = "get_scheduler",
         scheduler_handle: str | None = None,
         wave: int | None = None,
+        wait: bool = False,
+        deferrable: bool = False,
+        defer_after: float = DEFER_AFTER,
+        trigger_poll_interval: float = triggers.POLL_INTERVAL,
         scheduler_lib_conn_id: str = hooks.DEFAULT_CONN_ID,
         **kwargs: Any,
     ) -> None:
@@ -145,10 +158,17 @@ class ExecAsyncOperator(BaseOperator):
         self.tasks = tasks if _rendered_later(tasks) else plain_tasks(tasks, self.task_id)
         if wave is not None and (not isinstance(wave, int) or wave < 1):
             raise ValueError(f"{self.task_id}: wave is numbered from 1, got {wave!r}")
+        if deferrable and not wait:
+            raise ValueError(f"{self.task_id}: deferrable=True waits, so it needs wait=True")
         self.scheduler_task_id = scheduler_task_id
         self.scheduler_handle = scheduler_handle
         self.wave = wave
+        self.wait = wait
+        self.deferrable = deferrable
+        self.defer_after = defer_after
+        self.trigger_poll_interval = trigger_poll_interval
         self.scheduler_lib_conn_id = scheduler_lib_conn_id
+        self._sent: tuple[TaskScheduler, SchedulerHandle] | None = None
 
     def execute(self, context: Context) -> dict[str, Any]:
         load_kinds()
@@ -164,7 +184,45 @@ class ExecAsyncOperator(BaseOperator):
         tasks = plain_tasks(_native(self.tasks), self.task_id)
         log_ids = scheduler.exec_many(handle, tasks, wave=index)
         self.log.info("sent %d task(s) on scheduler %s: log ids %s", len(log_ids), key, log_ids)
-        return {"scheduler_handle": key, "log_ids": log_ids, "wave": self.wave}
+        sent = {"scheduler_handle": key, "log_ids": log_ids, "wave": self.wave}
+        if not self.wait:
+            return sent
+        self._sent = (scheduler, handle)
+        try:
+            progress = scheduler.wait_for_wave(
+                handle, log_ids, timeout=self.defer_after if self.deferrable else None
+            )
+        finally:
+            self._sent = None
+        if not progress.done and progress.ended_by_target is None:
+            self.defer(
+                trigger=triggers.SynchronizationTrigger(
+                    key,
+                    log_ids,
+                    scheduler_lib_conn_id=self.scheduler_lib_conn_id,
+                    poll_interval=self.trigger_poll_interval,
+                    deadline=_deadline(self.execution_timeout),
+                    carry=sent,
+                ),
+                method_name="execute_complete",
+                timeout=self.execution_timeout,
+            )
+        event = _event(progress)
+        event["carry"] = sent
+        return self.execute_complete(context, event)
+
+    def execute_complete(self, context: Context, event: dict[str, Any], **_: Any) -> Any:
+        """The wave has completed (or cannot): its outcome, or the Airflow task fails."""
+        tasks = sensors.event_outcome(event, self.task_id)
+        return {**event["carry"], "tasks": tasks}
+
+    def on_kill(self) -> None:
+        """Killed while it waits: cancel the wave's tasks that have not started and stop
+        the running ones."""
+        sent = self._sent
+        if sent is not None:
+            scheduler, handle = sent
+            scheduler.cancel(handle, "cancelled: the Airflow task was killed")
 
 
 class ReleaseSchedulerOperator(BaseOperator):
@@ -345,18 +403,13 @@ class OrderedWavesOperator(BaseOperator):
                         log_ids,
                         scheduler_lib_conn_id=self.scheduler_lib_conn_id,
                         poll_interval=self.trigger_poll_interval,
-                        deadline=time.time() + self.execution_timeout.total_seconds()
-                        if self.execution_timeout
-                        else None,
+                        deadline=_deadline(self.execution_timeout),
                         carry={"scheduler_handle": key, "index": i, "outcomes": outcomes},
                     ),
                     method_name="resume_wave",
-                    timeout=self.execution_timeout or datetime.timedelta(days=7),
+                    timeout=self.execution_timeout,
                 )
-            event = {"status": triggers.DONE, "tasks": triggers.summaries(progress)}
-            if progress.ended_by_target is not None:
-                event = {"status": triggers.ENDED, "message": progress.ended_by_target}
-            outcomes = self._after_wave(scheduler, handle, i, event, outcomes)
+            outcomes = self._after_wave(scheduler, handle, i, _event(progress), outcomes)
         return self._finish(scheduler, handle, outcomes)
 
     def resume_wave(self, context: Context, event: dict[str, Any], **_: Any) -> dict[str, Any]:
@@ -412,6 +465,17 @@ class OrderedWavesOperator(BaseOperator):
         if running is not None:
             scheduler, handle = running
             scheduler.cancel(handle, "cancelled: the Airflow task was killed")
+
+
+def _event(progress: WaveProgress) -> dict[str, Any]:
+    """What the trigger would have said about a wave that ended while we waited in place."""
+    if progress.done:
+        return {"status": triggers.DONE, "tasks": triggers.summaries(progress)}
+    return {"status": triggers.ENDED, "message": progress.ended_by_target}
+
+
+def _deadline(execution_timeout: datetime.timedelta | None) -> float | None:
+    return time.time() + execution_timeout.total_seconds() if execution_timeout else None
 
 
 def _rendered_later(value: Any) -> bool:

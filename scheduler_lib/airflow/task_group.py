@@ -1,11 +1,15 @@
 """Ordered waves as an Airflow task group: the blog's loop drawn as a DAG.
 
-    get_scheduler >> wave_1 >> wave_1_sync >> wave_2 >> wave_2_sync >> ... >> release
+    get_scheduler >> wave_1 >> wave_2 >> ... >> release_scheduler
 
-Each ``wave_N`` is an :class:`~scheduler_lib.airflow.operators.ExecAsyncOperator`, each
-``wave_N_sync`` a :class:`~scheduler_lib.airflow.sensors.SynchronizationSensor`;
-``release_scheduler`` is a teardown of ``get_scheduler``: it runs whatever happened to
-the waves, and its own success does not hide a failed wave from the DAG run's state.
+Each ``wave_N`` is an :class:`~scheduler_lib.airflow.operators.ExecAsyncOperator` that
+sends its wave and waits for it (``wait=True``): one Airflow task per wave, so Airflow's
+per-task cost is paid once a wave. With ``separate_sensors=True`` the wait is a
+:class:`~scheduler_lib.airflow.sensors.SynchronizationSensor` of its own, as in the blog
+(``wave_N >> wave_N_sync``), for those who want poke/reschedule modes or to see the send
+and the wait apart. ``release_scheduler`` is a teardown of ``get_scheduler``: it runs
+whatever happened to the waves, and its own success does not hide a failed wave from the
+DAG run's state.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def ordered_waves(
     target_service: str | None = None,
     scheduler_lib_conn_id: str = hooks.DEFAULT_CONN_ID,
     deferrable: bool = False,
+    separate_sensors: bool = False,
     sensor_kwargs: Mapping[str, Any] | None = None,
     **group_kwargs: Any,
 ) -> TaskGroup:
@@ -35,16 +40,20 @@ def ordered_waves(
     :param waves: a list of waves, each a list of tasks (JSON objects with a ``kind``)
     :param group_id: the task group's id
     :param wave_names: task ids for the waves (``load``, ``transform``…) instead of
-        ``wave_1``, ``wave_2``…; their sensors are ``<name>_sync``
+        ``wave_1``, ``wave_2``…
     :param target_service: where the tasks go (default: the connection's)
-    :param deferrable: the sensors wait in the triggerer
+    :param deferrable: the waits happen in the triggerer (after a couple of seconds in
+        place, so a short wave does not pay the trip)
+    :param separate_sensors: draw each wait as a sensor of its own (``<name>_sync``)
     :param sensor_kwargs: more arguments for every sensor (``poke_interval``, ``mode``,
-        ``timeout``…)
+        ``timeout``…), with ``separate_sensors``
     :param group_kwargs: more arguments for the ``TaskGroup`` (``tooltip``…)
     """
     if isinstance(waves, str | bytes) or not isinstance(waves, Sequence) or not waves:
         raise ValueError(f"{group_id}: waves must be a non-empty list of lists of tasks")
     names = list(wave_names) if wave_names is not None else None
+    if sensor_kwargs and not separate_sensors:
+        raise ValueError(f"{group_id}: sensor_kwargs needs separate_sensors=True")
     if names is not None and (len(names) != len(waves) or len(set(names)) != len(names)):
         raise ValueError(
             f"{group_id}: wave_names must name each of the {len(waves)} waves once, got {names!r}"
@@ -62,18 +71,23 @@ def ordered_waves(
                 task_id=name,
                 tasks=wave,
                 wave=number,
+                wait=not separate_sensors,
+                deferrable=deferrable and not separate_sensors,
                 scheduler_task_id=get.task_id,
                 scheduler_lib_conn_id=scheduler_lib_conn_id,
             )
-            sync = sensors.SynchronizationSensor(
-                task_id=f"{name}_sync",
-                exec_task_id=send.task_id,
-                scheduler_lib_conn_id=scheduler_lib_conn_id,
-                deferrable=deferrable,
-                **dict(sensor_kwargs or {}),
-            )
-            last >> send >> sync
-            last = sync
+            last >> send
+            last = send
+            if separate_sensors:
+                sync = sensors.SynchronizationSensor(
+                    task_id=f"{name}_sync",
+                    exec_task_id=send.task_id,
+                    scheduler_lib_conn_id=scheduler_lib_conn_id,
+                    deferrable=deferrable,
+                    **dict(sensor_kwargs or {}),
+                )
+                send >> sync
+                last = sync
         release = operators.ReleaseSchedulerOperator(
             task_id="release_scheduler",
             scheduler_task_id=get.task_id,

@@ -116,15 +116,45 @@ def test_a_failed_task_fails_its_sensor_and_the_run_and_the_release_still_runs(
     assert released(broker, rows["fine"]["scheduler_handle"])
 
 
-@pytest.mark.parametrize("mode", ["reschedule", "deferrable"])
-def test_the_sensor_waits_in_each_mode(dags: dict[str, Any], broker: Broker, mode: str) -> None:
+def test_a_failed_task_fails_its_wave_when_the_wave_waits_for_itself(
+    dags: dict[str, Any], broker: Broker
+) -> None:
+    # Given the same two waves, each one Airflow task that sends and waits
+    with activation.running(broker):
+        run = dags["test_wave_fails"].test()
+    # Then the first wave's task failed with the broken task's error, the second never ran
+    got = states(run)
+    assert run.state == "failed", got
+    assert got["plan.wave_1"] == "failed"
+    assert got["plan.wave_2"] == "upstream_failed"
+    assert got["plan.release_scheduler"] == "success"
+    rows = {r["task_name"]: r for r in log_rows(broker, run.run_id)}
+    assert set(rows) == {"fine", "broken"}
+    assert released(broker, rows["fine"]["scheduler_handle"])
+
+
+@pytest.mark.parametrize(
+    ("dag_id", "waiter"),
+    [
+        ("test_sensor_reschedule", "wave_1_sync"),
+        ("test_sensor_deferrable", "wave_1_sync"),
+        ("test_wave_in_place", "wave_1"),
+        ("test_wave_deferrable", "wave_1"),
+    ],
+)
+def test_each_way_to_wait_waits(
+    dags: dict[str, Any], broker: Broker, dag_id: str, waiter: str
+) -> None:
     # Given one wave of two tasks that take a second each
     # When the DAG runs
     with activation.running(broker):
-        run = dags[f"test_sensor_{mode}"].test()
-    # Then it succeeded only after both tasks ended
+        run = dags[dag_id].test()
+    # Then it succeeded only after both tasks ended, and the waiting task returned them
     assert run.state == "success", states(run)
-    ti = next(t for t in run.get_task_instances() if t.task_id.endswith("wave_1_sync"))
+    ti = next(t for t in run.get_task_instances() if t.task_id.endswith(waiter))
+    outcome = ti.xcom_pull(task_ids=ti.task_id)
+    tasks = outcome if isinstance(outcome, list) else outcome["tasks"]
+    assert [t["status"] for t in tasks] == ["SUCCEEDED", "SUCCEEDED"]
     rows = log_rows(broker, run.run_id)
     assert len(rows) == 2 and {r["status"] for r in rows} == {"SUCCEEDED"}
     assert ti.end_date.timestamp() >= max(r["end_time"] for r in rows)

@@ -393,28 +393,64 @@ def test_on_kill_cancels_what_the_plan_started(broker: Broker) -> None:
 
 
 def test_ordered_waves_draws_the_blog_loop() -> None:
+    # One Airflow task per wave by default ...
     with DAG("shape", schedule=None) as dag:
         ordered_waves([sleeps(0, 0), sleeps(0)], group_id="etl", wave_names=["load", "sum"])
-    ids = set(dag.task_dict)
-    assert ids == {
+    assert set(dag.task_dict) == {
         "etl.get_scheduler",
         "etl.load",
-        "etl.load_sync",
         "etl.sum",
-        "etl.sum_sync",
         "etl.release_scheduler",
     }
     assert dag.task_dict["etl.load"].upstream_task_ids == {"etl.get_scheduler"}
-    assert dag.task_dict["etl.sum"].upstream_task_ids == {"etl.load_sync"}
+    assert dag.task_dict["etl.sum"].upstream_task_ids == {"etl.load"}
+    assert dag.task_dict["etl.sum"].wait and dag.task_dict["etl.sum"].wave == 2
+    assert dag.task_dict["etl.sum"].scheduler_task_id == "etl.get_scheduler"
     release = dag.task_dict["etl.release_scheduler"]
-    assert release.is_teardown and release.upstream_task_ids == {
+    assert release.is_teardown
+    assert release.upstream_task_ids == {"etl.sum", "etl.get_scheduler"}
+    # ... or the blog's send and wait apart
+    with DAG("apart", schedule=None) as dag:
+        ordered_waves(
+            [sleeps(0, 0), sleeps(0)],
+            group_id="etl",
+            wave_names=["load", "sum"],
+            separate_sensors=True,
+            deferrable=True,
+        )
+    assert dag.task_dict["etl.sum"].upstream_task_ids == {"etl.load_sync"}
+    assert dag.task_dict["etl.sum_sync"].exec_task_id == "etl.sum"
+    assert dag.task_dict["etl.sum_sync"].deferrable and not dag.task_dict["etl.sum"].wait
+    assert dag.task_dict["etl.release_scheduler"].upstream_task_ids == {
         "etl.sum_sync",
         "etl.get_scheduler",
     }
-    assert dag.task_dict["etl.sum"].scheduler_task_id == "etl.get_scheduler"
-    assert dag.task_dict["etl.sum_sync"].exec_task_id == "etl.sum"
     with (
         pytest.raises(ValueError, match="wave_names must name each of the 2 waves once"),
         DAG("bad", schedule=None),
     ):
         ordered_waves([sleeps(0), sleeps(0)], wave_names=["a", "a"])
+    with (
+        pytest.raises(ValueError, match="sensor_kwargs needs separate_sensors=True"),
+        DAG("bad2", schedule=None),
+    ):
+        ordered_waves([sleeps(0)], sensor_kwargs={"mode": "reschedule"})
+
+
+def test_a_wave_that_waits_fails_with_its_tasks_errors(broker: Broker) -> None:
+    got = GetSchedulerOperator(task_id="get_scheduler").execute(context())
+    wave = ExecAsyncOperator(
+        task_id="wave_1",
+        wait=True,
+        tasks=[
+            *sleeps(0.1),
+            {"kind": "python", "name": "root", "callable": "math:sqrt", "args": [-1]},
+        ],
+    )
+    with (
+        activation.running(broker),
+        pytest.raises(AirflowFailException, match=r"wave_1: 1 of 2 task\(s\) did not succeed"),
+    ):
+        wave.execute(context(get_scheduler=got))
+    with pytest.raises(ValueError, match="deferrable=True waits, so it needs wait=True"):
+        ExecAsyncOperator(task_id="w", tasks=[], deferrable=True)
