@@ -15,9 +15,9 @@ waves of 10; wave N+1 starts after wave N has ended. Three DAGs of
 
   - ours: one ``OrderedWavesOperator`` (``deferrable=False``): one Airflow task sends the
     waves to a scheduler_lib Spark worker and waits for each;
-  - ours, task group: ``ordered_waves(...)`` with deferrable sensors: get_scheduler, per
-    wave an ExecAsync task and a Synchronization sensor waiting in the triggerer, release
-    (12 Airflow tasks);
+  - ours, task group: ``ordered_waves(..., deferrable=True)``: get_scheduler, per wave
+    one ExecAsync task that sends the wave and waits for it (in the triggerer once it has
+    run 2 s), release (7 Airflow tasks);
   - native: one Airflow task per statement, the Spark provider's ``@task.pyspark`` on a
     ``spark_connect`` connection, each wave ``cross_downstream`` of the one before.
 
@@ -113,7 +113,7 @@ SIDES = {  # name -> DAG id
 }
 LABELS = {
     "ours": "ours: OrderedWavesOperator (1 Airflow task)",
-    "ours_group": "ours, task group: ordered_waves() (12 Airflow tasks, deferrable sensors)",
+    "ours_group": "ours, task group: ordered_waves() (7 Airflow tasks, one per wave)",
     "native": "native: one Airflow task per statement (50, @task.pyspark on Spark Connect)",
 }
 CONNECT_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
@@ -489,7 +489,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         f"{c['waves']} waves of {c['per_wave']} tiny Spark SQL statements "
         f"(`{workload.STATEMENT.format(i='i')}`), wave N+1 after wave N, under one `airflow "
         f"standalone` {c['airflow']}: ours — `OrderedWavesOperator` (one task, "
-        "`deferrable=False`) and the `ordered_waves()` task group (deferrable sensors) — on "
+        "`deferrable=False`) and the `ordered_waves()` task group (one deferrable task "
+        "per wave) — on "
         f"`scheduler-lib worker --master {c['master']} --max-readers {c['readers']}` "
         f"(broker on {c['db']}); native — one `@task.pyspark` task per statement, waves "
         f"joined by `cross_downstream` — on a Spark Connect server (master {c['master']}). "

@@ -5,8 +5,8 @@ three ways, in one ``airflow standalone``.
   (``deferrable=False``) sends the waves to a scheduler_lib Spark worker (connection
   ``scheduler_lib_default``);
 - ``bench_waves_ours_group``: :func:`~scheduler_lib.airflow.ordered_waves`, the task
-  group form: get_scheduler, per wave an ExecAsync and a deferrable Synchronization
-  sensor, release (12 Airflow tasks);
+  group form: get_scheduler, per wave one ExecAsync that sends and waits (deferrable),
+  release (7 Airflow tasks);
 - ``bench_waves_native``: plain Airflow, one task per statement with the Spark
   provider's ``@task.pyspark`` on a Spark Connect server (connection
   ``bench_spark_connect``), consecutive waves joined by ``cross_downstream``.
