@@ -18,25 +18,26 @@ and this process may (root); otherwise skipped locally and failed under ``CI``.
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
 import os
-import secrets
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
+
+from bench.airflow_standalone import (
+    BIN,
+    Api,
+    HarnessError,
+    Processes,
+    Standalone,
+    quote,
+    run_path,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_FILE = REPO / "dags" / "blog_waves.py"
@@ -45,10 +46,9 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-STARTUP = 120.0  # seconds for standalone to come up healthy (about 15 on a quiet machine)
+STARTUP = 180.0  # seconds for standalone to come up healthy (about 15 on a quiet machine)
 RUN_DEADLINE = 150.0  # seconds for the DAG run to finish (about 30)
 BROWSER_WAIT = 30.0  # seconds for the page to show the rows
-STOP_GRACE = 20.0  # seconds a process group has to exit after SIGTERM before SIGKILL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -82,120 +82,6 @@ def _install_chromium() -> str | None:
     return None
 
 
-# --- processes --------------------------------------------------------------------------
-
-
-class Processes:
-    """Processes started in their own process groups, each logging to a file; stopped
-    together, children and grandchildren included, however the test ends."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.started: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - kept open by the child
-        process = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log.close()  # the child has its own descriptor
-        self.started[name] = process
-        return process
-
-    def check_alive(self) -> None:
-        for name, process in self.started.items():
-            if process.poll() is not None:
-                pytest.fail(f"{name} exited with {process.returncode}:\n{self.tail(name)}")
-
-    def tail(self, name: str, lines: int = 40) -> str:
-        text = (self.logs / f"{name}.log").read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop_all(self) -> None:
-        # Descendants first noted, then the groups told to stop: Airflow's components and
-        # the task runners they fork stay in the group, but anything that made a session
-        # of its own is caught by the list.
-        family: list[psutil.Process] = []
-        for process in self.started.values():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                family += psutil.Process(process.pid).children(recursive=True)
-        for process in self.started.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for process in self.started.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        for process in self.started.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        _, alive = psutil.wait_procs(family, timeout=max(deadline - time.monotonic(), 1.0))
-        for straggler in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                straggler.kill()
-
-
-def wait_for(
-    condition: Callable[[], Any], timeout: float, what: str, *, check: Callable[[], None]
-) -> Any:
-    """Re-evaluate ``condition`` until it is truthy; ``check`` fails fast when a process
-    died; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        check()
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"{what}: not within {timeout} s")
-        time.sleep(0.5)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-# --- HTTP -------------------------------------------------------------------------------
-
-
-class Api:
-    """The api-server's REST API, as a client outside the process sees it."""
-
-    def __init__(self, base: str) -> None:
-        self.base = base
-        self.token: str | None = None
-
-    def call(
-        self, method: str, path: str, body: Any = None, *, auth: bool = True
-    ) -> tuple[int, Any]:
-        headers = {"Accept": "application/json"}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        if auth and self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(self.base + path, data, headers, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                status, raw = response.status, response.read()
-        except urllib.error.HTTPError as error:
-            status, raw = error.code, error.read()
-        except OSError:  # not listening yet
-            return 0, None
-        try:
-            return status, json.loads(raw)
-        except ValueError:
-            return status, raw.decode(errors="replace")
-
-
-def quote(segment: str) -> str:
-    return urllib.parse.quote(segment, safe="")
-
-
 def expected_task_names() -> set[str]:
     """The names of the tasks the DAG sends, read from its file (importing it would
     import Airflow into this process): ``wave N task i (U units)``."""
@@ -218,74 +104,37 @@ def expected_task_names() -> set[str]:
 
 @pytest.fixture
 def standalone(tmp_path: Path) -> Iterator[tuple[Api, Processes]]:
-    """``airflow standalone`` and ``scheduler-lib serve`` on a fresh home and broker,
-    healthy, with a logged-in API client."""
-    home = tmp_path / "airflow_home"
-    home.mkdir()
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
+    """``airflow standalone`` (the benchmarks' harness) and ``scheduler-lib serve`` on a
+    fresh home and broker, healthy, with a logged-in API client."""
     broker_url = f"sqlite:///{tmp_path / 'broker.db'}"
-    password = secrets.token_urlsafe(16)
-    passwords = home / "passwords.json"
-    passwords.write_text(json.dumps({"admin": password}))
-    bin_dir = str(Path(sys.executable).parent)  # standalone starts `airflow` from PATH
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "_AIRFLOW"))}
-    env.update(
-        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
-        AIRFLOW_HOME=str(home),
-        AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
-        AIRFLOW__CORE__PLUGINS_FOLDER=str(REPO / "plugins"),
-        AIRFLOW__CORE__LOAD_EXAMPLES="False",
-        AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="admin:admin",
-        # A password we know rather than the one standalone would generate and print.
-        AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE=str(passwords),
-        AIRFLOW__API__HOST="127.0.0.1",
-        AIRFLOW__API__PORT=str(port),
-        AIRFLOW__API__WORKERS="1",
-        AIRFLOW__API__BASE_URL=base,
-        # Task runners report to the execution API of this api-server, not to :8080.
-        AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"{base}/execution/",
-        AIRFLOW__API_AUTH__JWT_SECRET=secrets.token_hex(48),
-        AIRFLOW_CONN_SCHEDULER_LIB_DEFAULT=json.dumps(
-            {"conn_type": "scheduler_lib", "host": broker_url}
-        ),
-    )
-    subprocess.run(
-        [f"{bin_dir}/scheduler-lib", "init", "--db", broker_url],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    processes = Processes(logs)
-    try:
-        processes.start("serve", [f"{bin_dir}/scheduler-lib", "serve", "--db", broker_url], env)
-        processes.start("standalone", [f"{bin_dir}/airflow", "standalone"], env)
-        api = Api(base)
-
-        def healthy() -> bool:
-            status, health = api.call("GET", "/api/v2/monitor/health", auth=False)
-            return (
-                status == 200
-                and all(
-                    part.get("status") == "healthy"
-                    for part in health.values()
-                    if isinstance(part, dict)
-                )
-                and len(health) >= 4
-            )
-
-        wait_for(healthy, STARTUP, "airflow standalone healthy", check=processes.check_alive)
-        status, login = api.call(
-            "POST", "/auth/token", {"username": "admin", "password": password}, auth=False
+    with Processes(tmp_path / "logs") as processes:
+        airflow = Standalone(
+            processes,
+            tmp_path,
+            dags_folder=REPO / "dags",
+            plugins_folder=REPO / "plugins",
+            env={
+                "AIRFLOW__API__WORKERS": "1",
+                "AIRFLOW_CONN_SCHEDULER_LIB_DEFAULT": json.dumps(
+                    {"conn_type": "scheduler_lib", "host": broker_url}
+                ),
+            },
         )
-        assert status == 201, login
-        api.token = login["access_token"]
+        subprocess.run(
+            [str(BIN / "scheduler-lib"), "init", "--db", broker_url],
+            env=airflow.env,
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        processes.start(
+            "serve", [str(BIN / "scheduler-lib"), "serve", "--db", broker_url], airflow.env
+        )
+        try:
+            api = airflow.start(STARTUP)
+        except HarnessError as exc:
+            pytest.fail(str(exc))
         yield api, processes
-    finally:
-        processes.stop_all()
 
 
 # What the page shows, read in one go inside its frame (the page redraws its tables on
@@ -313,15 +162,7 @@ def test_execution_status_page_follows_a_dag_run_in_a_browser(
 
     # Given the blog's DAG, parsed by the dag-processor, and a browser logged in to
     # Airflow's UI.
-    def parsed() -> bool:
-        status, _ = api.call("GET", f"/api/v2/dags/{DAG_ID}")
-        return status == 200
-
-    try:
-        wait_for(parsed, 90, f"{DAG_ID} parsed", check=processes.check_alive)
-    except pytest.fail.Exception:
-        _, errors = api.call("GET", "/api/v2/importErrors")
-        raise AssertionError(f"import errors: {errors}\n{processes.tail('standalone')}") from None
+    api.wait_dag(DAG_ID, check=processes.check_alive)
 
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -360,12 +201,9 @@ def test_execution_status_page_follows_a_dag_run_in_a_browser(
             driver.switch_to.frame(driver.find_element(By.CSS_SELECTOR, "iframe"))
 
         # When the DAG is unpaused and triggered through the REST API ...
-        status, body = api.call("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
-        assert status == 200, body
-        status, run = api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None})
-        assert status == 200, run
-        run_id = run["dag_run_id"]
-        run_path = f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}"
+        api.unpause(DAG_ID)
+        run_id = api.trigger(DAG_ID)["dag_run_id"]
+        path_of_run = run_path(DAG_ID, run_id)
 
         # ... then the top-level page, filtered to the run and refreshing every second,
         # follows it without a reload: tasks appear, run, and succeed.
@@ -386,8 +224,8 @@ def test_execution_status_page_follows_a_dag_run_in_a_browser(
             ):
                 seen_running = True
                 screenshot("execution_status_running.png")
-            if api.call("GET", run_path)[1].get("state") == "failed":
-                _, tis = api.call("GET", f"{run_path}/taskInstances")
+            if api.call("GET", path_of_run)[1].get("state") == "failed":
+                _, tis = api.call("GET", f"{path_of_run}/taskInstances")
                 pytest.fail(
                     f"run {run_id} failed: "
                     f"{[(t['task_id'], t['state']) for t in tis['task_instances']]}\n"
@@ -410,12 +248,8 @@ def test_execution_status_page_follows_a_dag_run_in_a_browser(
         assert sorted(r["task"] for r in done["log"]) == sorted(names)
         assert done["bars"] == len(names)  # the timeline draws every row
 
-        def run_finished() -> str | None:
-            state = api.call("GET", run_path)[1].get("state")
-            return state if state in ("success", "failed") else None
-
-        state = wait_for(run_finished, 60, "the DAG run finished", check=processes.check_alive)
-        assert state == "success", state
+        finished = api.wait_run(DAG_ID, run_id, 60, check=processes.check_alive)
+        assert finished["state"] == "success", finished
 
         # And the run's own tab in Airflow's UI shows the same rows.
         tab = open_in_airflow(
