@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import datetime
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -195,18 +194,7 @@ class ExecAsyncOperator(BaseOperator):
         finally:
             self._sent = None
         if not progress.done and progress.ended_by_target is None:
-            self.defer(
-                trigger=triggers.SynchronizationTrigger(
-                    key,
-                    log_ids,
-                    scheduler_lib_conn_id=self.scheduler_lib_conn_id,
-                    poll_interval=self.trigger_poll_interval,
-                    deadline=_deadline(self.execution_timeout),
-                    carry=sent,
-                ),
-                method_name="execute_complete",
-                timeout=self.execution_timeout,
-            )
+            defer_wave(self, key, log_ids, sent, "execute_complete")
         event = _event(progress)
         event["carry"] = sent
         return self.execute_complete(context, event)
@@ -376,7 +364,7 @@ class OrderedWavesOperator(BaseOperator):
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
         finally:
             self._running = None
-        waves = [[_summary(c) for c in w.completions] for w in report.waves]
+        waves = [[triggers.task_summary(c) for c in w.completions] for w in report.waves]
         if not report.ok:
             sensors.check([s for w in waves for s in w], self.task_id)
         return {"scheduler_handle": str(report.scheduler_handle), "waves": waves}
@@ -397,18 +385,8 @@ class OrderedWavesOperator(BaseOperator):
             self.log.info("wave %d/%d sent: log ids %s", i + 1, len(self.waves), log_ids)
             progress = scheduler.wait_for_wave(handle, log_ids, timeout=self.defer_after)
             if not progress.done and progress.ended_by_target is None:
-                self.defer(
-                    trigger=triggers.SynchronizationTrigger(
-                        key,
-                        log_ids,
-                        scheduler_lib_conn_id=self.scheduler_lib_conn_id,
-                        poll_interval=self.trigger_poll_interval,
-                        deadline=_deadline(self.execution_timeout),
-                        carry={"scheduler_handle": key, "index": i, "outcomes": outcomes},
-                    ),
-                    method_name="resume_wave",
-                    timeout=self.execution_timeout,
-                )
+                carry = {"scheduler_handle": key, "index": i, "outcomes": outcomes}
+                defer_wave(self, key, log_ids, carry, "resume_wave")
             outcomes = self._after_wave(scheduler, handle, i, _event(progress), outcomes)
         return self._finish(scheduler, handle, outcomes)
 
@@ -474,8 +452,24 @@ def _event(progress: WaveProgress) -> dict[str, Any]:
     return {"status": triggers.ENDED, "message": progress.ended_by_target}
 
 
-def _deadline(execution_timeout: datetime.timedelta | None) -> float | None:
-    return time.time() + execution_timeout.total_seconds() if execution_timeout else None
+def defer_wave(
+    operator: Any, key: str, log_ids: list[int], carry: dict[str, Any], method_name: str
+) -> None:
+    """Hand the wait for a wave to the triggerer; ``method_name`` resumes with the event
+    (``carry`` rides in it). Bounded by the operator's ``execution_timeout``, if any."""
+    timeout = operator.execution_timeout
+    operator.defer(
+        trigger=triggers.SynchronizationTrigger(
+            key,
+            log_ids,
+            scheduler_lib_conn_id=operator.scheduler_lib_conn_id,
+            poll_interval=operator.trigger_poll_interval,
+            deadline=time.time() + timeout.total_seconds() if timeout else None,
+            carry=carry,
+        ),
+        method_name=method_name,
+        timeout=timeout,
+    )
 
 
 def _rendered_later(value: Any) -> bool:
@@ -492,13 +486,3 @@ def _native(value: Any) -> Any:
             with contextlib.suppress(ValueError, SyntaxError):
                 return ast.literal_eval(value)
     return value
-
-
-def _summary(completion: Completion) -> dict[str, Any]:
-    return {
-        "log_id": completion.log_id,
-        "task_name": completion.task_name,
-        "status": completion.status,
-        "error": completion.error,
-        "result": completion.result,
-    }

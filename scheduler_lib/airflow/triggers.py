@@ -17,7 +17,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from scheduler_lib.airflow import hooks
-from scheduler_lib.scheduler import TaskScheduler, WaveProgress
+from scheduler_lib.scheduler import Completion, TaskScheduler, TaskState, WaveProgress
 
 POLL_INTERVAL = 0.5  # seconds between looks at the wave's rows
 
@@ -130,8 +130,9 @@ def summaries(progress: WaveProgress) -> list[dict[str, Any]]:
     return [task_summary(t) for t in progress.tasks]
 
 
-def task_summary(task: Any) -> dict[str, Any]:
-    """One task's outcome: log id, name, status, error, result."""
+def task_summary(task: TaskState | Completion) -> dict[str, Any]:
+    """One task's outcome (a row read, or an ``AsyncDone`` received): log id, name,
+    status, error, result."""
     return {
         "log_id": task.log_id,
         "task_name": task.task_name,

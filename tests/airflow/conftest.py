@@ -13,10 +13,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 import pytest
 
@@ -24,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "integration"))  # multiproc: poll
 
-from multiproc import poll  # noqa: E402
+from multiproc import Output, poll  # noqa: E402
 
 BIN = Path(sys.executable).parent  # airflow and scheduler-lib live next to python
 WORKER_START = 120.0  # seconds for a worker's JVM to start on a busy machine
@@ -78,25 +76,6 @@ def scheduler_lib_conn(
         yield db_url
     finally:
         hooks.close_brokers()
-
-
-class Output:
-    """A process's output, read on a thread, so a test can wait for a line."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self.lines.append(line)
-
-    def has(self, text: str) -> bool:
-        return any(text in line for line in self.lines)
-
-    def tail(self, n: int = 40) -> str:
-        return "".join(self.lines[-n:])
 
 
 @pytest.fixture

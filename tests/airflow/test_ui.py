@@ -19,12 +19,13 @@ import os
 import secrets
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from multiproc import poll  # tests/integration, on the path by this folder's conftest
 
 from scheduler_lib.broker import Broker, activation
 from scheduler_lib.broker import queries as broker_queries
@@ -37,18 +38,6 @@ WAIT = 30.0  # seconds: deadline for conditions that hold within a second or two
 PREFIX = "/scheduler-lib"
 RUN_1 = "manual__2026-11-24T10:00:00+00:00"  # run ids carry ':' and '+': URLs must quote them
 RUN_2 = "scheduled__2026-11-24T11:00:00+00:00"
-
-
-def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Re-evaluate ``condition`` until it is truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"{what}: not within {timeout} s")
-        time.sleep(0.05)
 
 
 # --- rows to show -----------------------------------------------------------------------

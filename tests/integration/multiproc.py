@@ -1,14 +1,16 @@
-"""Helpers for tests that run real worker processes: start and always reap them, and
-collect what each reported, failing loudly on a worker's error or silence."""
+"""Helpers for tests that run real worker processes: start and always reap them, collect
+what each reported (failing loudly on a worker's error or silence), read a command's
+output as it comes, and wait on a condition with a deadline."""
 
 from __future__ import annotations
 
 import contextlib
 import queue as queue_module
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import pytest
 
@@ -66,3 +68,22 @@ def poll(condition: Callable[[], T], timeout: float, what: str, interval: float 
         if time.monotonic() >= deadline:
             pytest.fail(f"{what}: not within {timeout} s")
         time.sleep(interval)
+
+
+class Output:
+    """A process's output, read on a thread, so a test can wait for a line."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def has(self, text: str) -> bool:
+        return any(text in line for line in self.lines)
+
+    def tail(self, n: int = 30) -> str:
+        return "".join(self.lines[-n:])

@@ -9,12 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
+from multiproc import Output
 from multiproc import poll as _poll
 
 from scheduler_lib.broker import Broker
@@ -43,25 +43,6 @@ def alive(pid: int) -> bool:
     # A zombie (exited, not yet reaped by its parent) counts as gone.
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().split(")")[-1].split()[0] != "Z"
-
-
-class Output:
-    """A process's output, read on a thread, so the test can wait for a line."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self.lines.append(line)
-
-    def has(self, text: str) -> bool:
-        return any(text in line for line in self.lines)
-
-    def tail(self, n: int = 30) -> str:
-        return "".join(self.lines[-n:])
 
 
 def environment(**extra: str) -> dict[str, str]:
