@@ -9,10 +9,7 @@ one Airflow task (seconds of Airflow overhead once, not per wave).
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import json
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -180,7 +177,7 @@ class ExecAsyncOperator(BaseOperator):
         except SchedulerEnded as exc:
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
         index = None if self.wave is None else self.wave - 1  # the log counts from 0
-        tasks = plain_tasks(_native(self.tasks), self.task_id)
+        tasks = plain_tasks(sensors.native(self.tasks), self.task_id)
         log_ids = scheduler.exec_many(handle, tasks, wave=index)
         self.log.info("sent %d task(s) on scheduler %s: log ids %s", len(log_ids), key, log_ids)
         sent = {"scheduler_handle": key, "log_ids": log_ids, "wave": self.wave}
@@ -194,7 +191,9 @@ class ExecAsyncOperator(BaseOperator):
         finally:
             self._sent = None
         if not progress.done and progress.ended_by_target is None:
-            defer_wave(self, key, log_ids, sent, "execute_complete")
+            triggers.defer(
+                self, key, log_ids, "execute_complete", self.execution_timeout, carry=sent
+            )
         event = _event(progress)
         event["carry"] = sent
         return self.execute_complete(context, event)
@@ -386,7 +385,9 @@ class OrderedWavesOperator(BaseOperator):
             progress = scheduler.wait_for_wave(handle, log_ids, timeout=self.defer_after)
             if not progress.done and progress.ended_by_target is None:
                 carry = {"scheduler_handle": key, "index": i, "outcomes": outcomes}
-                defer_wave(self, key, log_ids, carry, "resume_wave")
+                triggers.defer(
+                    self, key, log_ids, "resume_wave", self.execution_timeout, carry=carry
+                )
             outcomes = self._after_wave(scheduler, handle, i, _event(progress), outcomes)
         return self._finish(scheduler, handle, outcomes)
 
@@ -452,37 +453,5 @@ def _event(progress: WaveProgress) -> dict[str, Any]:
     return {"status": triggers.ENDED, "message": progress.ended_by_target}
 
 
-def defer_wave(
-    operator: Any, key: str, log_ids: list[int], carry: dict[str, Any], method_name: str
-) -> None:
-    """Hand the wait for a wave to the triggerer; ``method_name`` resumes with the event
-    (``carry`` rides in it). Bounded by the operator's ``execution_timeout``, if any."""
-    timeout = operator.execution_timeout
-    operator.defer(
-        trigger=triggers.SynchronizationTrigger(
-            key,
-            log_ids,
-            scheduler_lib_conn_id=operator.scheduler_lib_conn_id,
-            poll_interval=operator.trigger_poll_interval,
-            deadline=time.time() + timeout.total_seconds() if timeout else None,
-            carry=carry,
-        ),
-        method_name=method_name,
-        timeout=timeout,
-    )
-
-
 def _rendered_later(value: Any) -> bool:
     return isinstance(value, str) or hasattr(value, "resolve")  # Jinja text, or an XComArg
-
-
-def _native(value: Any) -> Any:
-    """A list rendered by a template as text (without ``render_template_as_native_obj``)
-    back to a list."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            with contextlib.suppress(ValueError, SyntaxError):
-                return ast.literal_eval(value)
-    return value

@@ -9,8 +9,9 @@ all survive restarts. A task that failed fails the sensor with the task's error.
 from __future__ import annotations
 
 import ast
+import contextlib
 import datetime
-import time
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,34 +85,22 @@ class SynchronizationSensor(BaseSensorOperator):
         if not self.deferrable:
             return super().execute(context)
         handle, log_ids = self.wave(context)
-        deadline = time.time() + self.timeout if self.timeout else None
         # One look first: a wave that has already ended costs no trip to the triggerer.
-        done = self.poke(context)
+        done = self._look(handle, log_ids)
         if done.is_done:
             return done.xcom_value
-        self.defer(
-            trigger=triggers.SynchronizationTrigger(
-                handle,
-                log_ids,
-                scheduler_lib_conn_id=self.scheduler_lib_conn_id,
-                poll_interval=self.trigger_poll_interval,
-                deadline=deadline,
-            ),
-            method_name="execute_complete",
-            timeout=datetime.timedelta(seconds=self.timeout) if self.timeout else None,
-        )
+        timeout = datetime.timedelta(seconds=self.timeout) if self.timeout else None
+        triggers.defer(self, handle, log_ids, "execute_complete", timeout)
 
     def poke(self, context: Context) -> PokeReturnValue:
-        handle, log_ids = self.wave(context)
-        hook = hooks.SchedulerLibHook(self.scheduler_lib_conn_id)
-        scheduler = hook.get_scheduler()
+        return self._look(*self.wave(context))
+
+    def _look(self, handle: str, log_ids: list[int]) -> PokeReturnValue:
+        scheduler = hooks.SchedulerLibHook(self.scheduler_lib_conn_id).get_scheduler()
         progress = scheduler.wave_progress(handle, log_ids)
         if not progress.done:
             if progress.ended_by_target is not None:
-                raise AirflowFailException(
-                    f"scheduler {handle}: {progress.ended_by_target}; "
-                    f"{len(progress.pending)} task(s) will not complete"
-                )
+                raise AirflowFailException(triggers.ended_message(handle, progress))
             self.log.info(
                 "wave of scheduler %s: %d of %d task(s) completed",
                 handle,
@@ -127,19 +116,25 @@ class SynchronizationSensor(BaseSensorOperator):
         return event_outcome(event, self.task_id)
 
 
-def as_log_ids(value: Any, where: str) -> list[int]:
-    """Log ids from XCom or a templated field (a rendered list may arrive as text)."""
+def native(value: Any) -> Any:
+    """A list rendered by a template as text (without ``render_template_as_native_obj``)
+    back to a list; anything else as it is."""
     if isinstance(value, str):
         try:
-            value = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            raise AirflowFailException(
-                f"{where}: log_ids must be a list of ints, got {value!r}"
-            ) from None
+            return json.loads(value)
+        except ValueError:
+            with contextlib.suppress(ValueError, SyntaxError):
+                return ast.literal_eval(value)
+    return value
+
+
+def as_log_ids(value: Any, where: str) -> list[int]:
+    """Log ids from XCom or a templated field (a rendered list may arrive as text)."""
+    value = native(value)
     if isinstance(value, int):
         value = [value]
     try:
-        ids = [int(i) for i in value]
+        ids = [int(i) for i in value]  # text that was no list fails here
     except (TypeError, ValueError):
         raise AirflowFailException(
             f"{where}: log_ids must be a list of ints, got {value!r}"

@@ -10,6 +10,7 @@ while it waits, so a trigger that is restarted on another triggerer starts where
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -95,12 +96,7 @@ class SynchronizationTrigger(BaseTrigger):
                 return
             if progress.ended_by_target is not None:
                 yield self._event(
-                    {
-                        "status": ENDED,
-                        "message": f"scheduler {self.scheduler_handle}: "
-                        f"{progress.ended_by_target}; {len(progress.pending)} task(s) "
-                        "will not complete",
-                    }
+                    {"status": ENDED, "message": ended_message(self.scheduler_handle, progress)}
                 )
                 return
             if self.deadline is not None and time.time() >= self.deadline:
@@ -119,6 +115,40 @@ class SynchronizationTrigger(BaseTrigger):
         if self.carry is not None:
             payload["carry"] = self.carry
         return TriggerEvent(payload)
+
+
+def defer(
+    task: Any,
+    scheduler_handle: str,
+    log_ids: Sequence[int],
+    method_name: str,
+    timeout: datetime.timedelta | None,
+    carry: dict[str, Any] | None = None,
+) -> None:
+    """Hand ``task``'s wait for a wave to the triggerer (raises Airflow's deferral):
+    ``method_name`` resumes with the event, ``carry`` rides in it, ``timeout`` bounds the
+    wait (``None``: no bound). ``task`` has ``scheduler_lib_conn_id`` and
+    ``trigger_poll_interval``."""
+    task.defer(
+        trigger=SynchronizationTrigger(
+            scheduler_handle,
+            log_ids,
+            scheduler_lib_conn_id=task.scheduler_lib_conn_id,
+            poll_interval=task.trigger_poll_interval,
+            deadline=time.time() + timeout.total_seconds() if timeout else None,
+            carry=carry,
+        ),
+        method_name=method_name,
+        timeout=timeout,
+    )
+
+
+def ended_message(scheduler_handle: str, progress: WaveProgress) -> str:
+    """Why a wave will not complete: the target ended the conversation, or it is gone."""
+    return (
+        f"scheduler {scheduler_handle}: {progress.ended_by_target}; "
+        f"{len(progress.pending)} task(s) will not complete"
+    )
 
 
 def _scheduler(url: str, migrate: bool) -> TaskScheduler:

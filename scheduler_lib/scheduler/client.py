@@ -93,13 +93,22 @@ class TaskState:
     start_time: float | None = None
     end_time: float | None = None
 
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> TaskState:
+        return cls(
+            log_id=int(row["log_id"]),
+            task_name=row["task_name"],
+            status=row["status"],
+            error=row["error"],
+            result=None if row["result"] is None else json.loads(row["result"]),
+            wave=row["wave"],
+            start_time=row["start_time"],
+            end_time=row["end_time"],
+        )
+
     @property
     def ended(self) -> bool:
         return self.status in ENDED
-
-    @property
-    def ok(self) -> bool:
-        return self.status == SUCCEEDED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +127,6 @@ class WaveProgress:
     @property
     def pending(self) -> list[TaskState]:
         return [t for t in self.tasks if not t.ended]
-
-    @property
-    def failures(self) -> list[TaskState]:
-        return [t for t in self.tasks if t.ended and not t.ok]
 
 
 @dataclasses.dataclass
@@ -338,8 +343,7 @@ class TaskScheduler:
     def log(self, handle: SchedulerHandle | uuid.UUID | str) -> list[Mapping[str, Any]]:
         """The scheduler's ``execution_log`` rows, in the order they were sent (``handle``
         may be the conversation handle, e.g. ``RunReport.scheduler_handle``)."""
-        key = handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle
-        return self.broker.fetch("log_of_scheduler", handle=str(key))
+        return self.broker.fetch("log_of_scheduler", handle=_key(handle))
 
     def _send_batch(
         self, handle: SchedulerHandle, tasks: Sequence[Task], wave: int | None
@@ -377,9 +381,7 @@ class TaskScheduler:
 
     # --- a scheduler shared between processes (Airflow tasks) ----------------------------
 
-    def attach(
-        self, conversation_handle: uuid.UUID | str, *, target: str | None = None
-    ) -> SchedulerHandle:
+    def attach(self, conversation_handle: uuid.UUID | str) -> SchedulerHandle:
         """A handle to a scheduler another process got (an Airflow task pushed its
         conversation handle to XCom): send more waves on it, watch them, release it.
 
@@ -401,8 +403,7 @@ class TaskScheduler:
             )
         if endpoint.state not in (EndpointState.STARTED_OUTBOUND, EndpointState.CONVERSING):
             raise SchedulerEnded(f"scheduler {key}: its conversation is {endpoint.state.name}")
-        service = target or endpoint.far_service_name
-        return SchedulerHandle(key, service)
+        return SchedulerHandle(key, endpoint.far_service_name)
 
     def wave_progress(
         self, handle: SchedulerHandle | uuid.UUID | str, log_ids: Sequence[int]
@@ -414,7 +415,7 @@ class TaskScheduler:
 
         :raises InvalidArgument: when a log id is not one of this scheduler's tasks
         """
-        key = str(handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle)
+        key = _key(handle)
         wanted = sorted({int(i) for i in log_ids})
         if not wanted:
             return WaveProgress(())
@@ -425,19 +426,7 @@ class TaskScheduler:
         missing = [i for i in wanted if i not in rows]
         if missing:
             raise InvalidArgument(f"scheduler {key}: no task with log id {missing} was sent on it")
-        states = tuple(
-            TaskState(
-                log_id=i,
-                task_name=rows[i]["task_name"],
-                status=rows[i]["status"],
-                error=rows[i]["error"],
-                result=None if rows[i]["result"] is None else json.loads(rows[i]["result"]),
-                wave=rows[i]["wave"],
-                start_time=rows[i]["start_time"],
-                end_time=rows[i]["end_time"],
-            )
-            for i in wanted
-        )
+        states = tuple(TaskState.from_row(rows[i]) for i in wanted)
         ended = None
         if any(not s.ended for s in states):
             ended = self._ended_by_target(key)
@@ -462,7 +451,7 @@ class TaskScheduler:
         conversation, or ``timeout`` seconds passed (``None``: no limit; ``0``: look
         once). It wakes on each ``AsyncDone`` of the scheduler (a waiting RECEIVE, no
         polling) and takes those messages: the log is what it reads."""
-        key = handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle
+        key = _key(handle)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             progress = self.wave_progress(key, log_ids)
@@ -483,15 +472,13 @@ class TaskScheduler:
                 )
             except ConversationNotFound:
                 continue  # released meanwhile: the next look says so
-            if any(m.message_type_name in (END_DIALOG, ERROR) for m in messages):
-                with contextlib.suppress(ConversationNotFound, ConversationStateError):
-                    self.broker.end_conversation(key)
+            self._end_if_ended(key, messages)
 
     def drain(self, handle: SchedulerHandle | uuid.UUID | str) -> int:
         """Take the scheduler's ``AsyncDone`` messages off the initiator queue, where
         nobody will receive them (a watcher read the log instead), and return how many
         were taken. An ``EndDialog``/``Error`` from the target ends this side too."""
-        key = handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle
+        key = _key(handle)
         taken = 0
         while True:
             try:
@@ -503,10 +490,17 @@ class TaskScheduler:
             if not messages:
                 return taken
             taken += len(messages)
-            if any(m.message_type_name in (END_DIALOG, ERROR) for m in messages):
-                with contextlib.suppress(ConversationNotFound, ConversationStateError):
-                    self.broker.end_conversation(key)
+            if self._end_if_ended(key, messages):
                 return taken
+
+    def _end_if_ended(self, key: str, messages: Sequence[Any]) -> bool:
+        """End this side when the target ended the conversation (``EndDialog``/``Error``
+        among ``messages``), as the blog's Synchronization does; whether it had."""
+        if not any(m.message_type_name in (END_DIALOG, ERROR) for m in messages):
+            return False
+        with contextlib.suppress(ConversationNotFound, ConversationStateError):
+            self.broker.end_conversation(key)
+        return True
 
     # --- waves -----------------------------------------------------------------------
 
@@ -534,8 +528,10 @@ class TaskScheduler:
         :param max_in_flight: at most this many tasks sent and not completed at once
         :param timeout: seconds to wait for any one completion
         :param on_completion: called with (wave index, completion) as each arrives
-        :param on_start: called with the scheduler once it exists (so another thread can
-            :meth:`cancel` or :meth:`release_scheduler` it, e.g. an Airflow ``on_kill``)
+        :param on_start: called with the scheduler once it exists, so another thread can
+            :meth:`cancel` it (e.g. an Airflow ``on_kill``); the cancelled tasks answer,
+            and the waves end and release it here (releasing it from that thread would
+            leave this one waiting for answers that cannot come)
         """
         if policy not in POLICIES:
             raise InvalidArgument(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -712,3 +708,8 @@ class TaskScheduler:
                 f"target service {service!r} does not run {task.kind!r} tasks "
                 f"(it runs {sorted(allowed)})"
             )
+
+
+def _key(handle: SchedulerHandle | uuid.UUID | str) -> str:
+    """A scheduler's conversation handle as text, from a handle object or the handle."""
+    return str(handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle)

@@ -214,6 +214,14 @@ def test_the_trigger_says_when_the_scheduler_ended_or_time_ran_out(broker: Broke
     # the release cancelled the queued task first: its row ended, so the wave is done
     assert gone["status"] == triggers.DONE
     assert gone["tasks"][0]["status"] == "CANCELLED"
+    # When the conversation ends under a wave still queued (no cancel first), Then: ended
+    orphan = send_wave(sleeps(0))
+    broker.end_conversation(orphan["scheduler_handle"])
+    ended = collect_event(
+        SynchronizationTrigger(orphan["scheduler_handle"], orphan["log_ids"], poll_interval=0.05)
+    )
+    assert ended["status"] == triggers.ENDED
+    assert "1 task(s) will not complete" in ended["message"]
 
 
 def test_the_trigger_reports_a_broken_connection_as_an_event(
