@@ -338,5 +338,66 @@ CREATE INDEX ix_queue_messages_ready ON queue_messages (queue_name, priority DES
 
 UPDATE broker_alembic_version SET version_num='0005' WHERE broker_alembic_version.version_num = '0004';
 
+-- Running upgrade 0005 -> 0006
+
+CREATE TABLE routes (
+    route_name VARCHAR(128) NOT NULL, 
+    remote_service_name VARCHAR(128) NOT NULL, 
+    broker_instance VARCHAR(36), 
+    address VARCHAR(256) NOT NULL, 
+    created_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (route_name)
+);
+
+CREATE INDEX ix_routes_service ON routes (remote_service_name);
+
+ALTER TABLE conversation_endpoints ADD COLUMN is_remote BOOLEAN DEFAULT false NOT NULL;
+
+ALTER TABLE conversation_endpoints ADD COLUMN closed_at FLOAT(53);
+
+CREATE INDEX ix_conversation_endpoints_closed ON conversation_endpoints (closed_at) WHERE closed_at IS NOT NULL;
+
+ALTER TABLE transmission_queue ADD COLUMN is_outgoing BOOLEAN DEFAULT false NOT NULL;
+
+ALTER TABLE transmission_queue ADD COLUMN conversation_id VARCHAR(36);
+
+ALTER TABLE transmission_queue ADD COLUMN is_initiator BOOLEAN;
+
+ALTER TABLE transmission_queue ADD COLUMN from_service_name VARCHAR(128);
+
+ALTER TABLE transmission_queue ADD COLUMN lifetime_expires_at FLOAT(53);
+
+ALTER TABLE transmission_queue ADD COLUMN attempts INTEGER DEFAULT '0' NOT NULL;
+
+ALTER TABLE transmission_queue ADD COLUMN last_attempt_at FLOAT(53);
+
+CREATE INDEX ix_transmission_queue_outgoing ON transmission_queue (message_id) WHERE is_outgoing;
+
+CREATE TABLE transport_fragments (
+    conversation_id VARCHAR(36) NOT NULL, 
+    is_initiator BOOLEAN NOT NULL, 
+    message_sequence_number BIGINT NOT NULL, 
+    fragment_index INTEGER NOT NULL, 
+    fragment_count INTEGER NOT NULL, 
+    message_type_name VARCHAR(128) NOT NULL, 
+    message_body BYTEA, 
+    received_at FLOAT(53) NOT NULL, 
+    PRIMARY KEY (conversation_id, is_initiator, message_sequence_number, fragment_index)
+);
+
+CREATE TABLE transport_events (
+    event_id BIGSERIAL NOT NULL, 
+    occurred_at FLOAT(53) NOT NULL, 
+    event_type VARCHAR(32) NOT NULL, 
+    peer VARCHAR(256), 
+    detail VARCHAR(1024) NOT NULL, 
+    PRIMARY KEY (event_id), 
+    CONSTRAINT transport_event_known CHECK (event_type IN ('CORRUPTED_MESSAGE', 'CONNECTION_REJECTED', 'MESSAGE_REJECTED'))
+);
+
+CREATE INDEX ix_transport_events_occurred ON transport_events (occurred_at);
+
+UPDATE broker_alembic_version SET version_num='0006' WHERE broker_alembic_version.version_num = '0005';
+
 COMMIT;
 

@@ -54,6 +54,7 @@ from scheduler_lib.broker.poison import (
     PoisonMessage,
     PoisonPolicy,
 )
+from scheduler_lib.broker.routes import LOCAL, Route
 from scheduler_lib.broker.transaction import Transaction
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "DIALOG_TIMER",
     "END_DIALOG",
     "ERROR",
+    "LOCAL",
     "AlreadyExists",
     "Broker",
     "BrokerError",
@@ -98,6 +100,7 @@ __all__ = [
     "QueueDisabled",
     "QueueInfo",
     "QueueNotFound",
+    "Route",
     "SentBy",
     "ServiceContractMismatch",
     "ServiceNotFound",

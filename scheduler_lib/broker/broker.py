@@ -17,6 +17,7 @@ from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
 from scheduler_lib.broker.models import QueueInfo, Validation
 from scheduler_lib.broker.poison import Lease, PoisonOperations
+from scheduler_lib.broker.routes import RouteOperations
 from scheduler_lib.broker.transaction import Transaction
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ LISTEN_READY_TIMEOUT = 10.0  # seconds to wait for LISTEN before the first recei
 WAITER_LINGER = 5.0  # seconds a process stays registered as waiting after its last waiter
 
 
-class Broker(CatalogOperations, ConversationOperations, PoisonOperations):
+class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteOperations):
     """A message broker on one database.
 
     Every operation is available two ways: on the broker itself, where it runs in a

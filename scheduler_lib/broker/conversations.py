@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import exceptions, routes
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.models import (
     DEFAULT,
@@ -74,10 +74,17 @@ class ConversationOperations:
                 raise exceptions.InvalidArgument("lifetime must be greater than 0 seconds")
         with self._operation() as tx:
             initiator = tx._service(from_service)
-            tx._service(to_service)
+            # A service this broker hosts is local; another broker's is reached by route.
+            is_remote = tx._one("service_get", name=to_service) is None
+            if is_remote and routes.remote_route(tx, to_service) is None:
+                raise exceptions.ServiceNotFound(
+                    f"service {to_service!r} does not exist here and no route leads to it",
+                    hint=f"create_route('...', {to_service!r}, 'tcp://host:port')",
+                )
             if not tx._one("contract_exists", name=contract):
                 raise exceptions.ContractNotFound(f"contract {contract!r} does not exist")
-            if not tx._one("service_accepts", name=to_service, contract=contract):
+            # A remote service's contracts are the far broker's to check, on arrival.
+            if not is_remote and not tx._one("service_accepts", name=to_service, contract=contract):
                 raise exceptions.ServiceContractMismatch(
                     f"service {to_service!r} does not accept contract {contract!r}",
                     hint=f"alter_service({to_service!r}, add_contracts=[{contract!r}])",
@@ -117,6 +124,7 @@ class ConversationOperations:
                 state=EndpointState.STARTED_OUTBOUND.value,
                 lifetime_expires_at=None if lifetime is None else now + lifetime,
                 now=now,
+                is_remote=is_remote,
             )
             tx._wrote = True
             return handle
@@ -304,8 +312,11 @@ class ConversationOperations:
             tx._execute("endpoints_lock", conversation_id=str(endpoint.conversation_id))
             endpoint = tx._endpoint(handle)
             state = endpoint.state
-            if state is EndpointState.DISCONNECTED_OUTBOUND:
+            if state in (EndpointState.DISCONNECTED_OUTBOUND, EndpointState.CLOSED):
                 raise state_error(endpoint, "end")
+            if endpoint.is_remote:
+                tx._end_remote(endpoint, error, description)
+                return
             far = tx._far_endpoint(endpoint, create=False)
             if state in (EndpointState.DISCONNECTED_INBOUND, EndpointState.ERROR) or far is None:
                 # The far side already ended (or never existed): we are the last to leave.

@@ -148,6 +148,8 @@ class ConversationEndpoint:
     receive_sequence: int
     lifetime_expires_at: float | None
     timer_due_at: float | None
+    is_remote: bool = False  # the far endpoint lives on another broker
+    closed_at: float | None = None  # a remote conversation's closed endpoint, kept a while
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> ConversationEndpoint:
@@ -166,6 +168,8 @@ class ConversationEndpoint:
             receive_sequence=int(row["receive_sequence"]),
             lifetime_expires_at=row["lifetime_expires_at"],
             timer_due_at=row["timer_due_at"],
+            is_remote=bool(row.get("is_remote", False)),
+            closed_at=row.get("closed_at"),
         )
 
 

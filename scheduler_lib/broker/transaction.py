@@ -21,6 +21,7 @@ from scheduler_lib.broker.conversations import (
 )
 from scheduler_lib.broker.models import (
     DIALOG_TIMER,
+    END_DIALOG,
     ERROR,
     MESSAGE_COLUMNS,
     ConversationEndpoint,
@@ -31,6 +32,7 @@ from scheduler_lib.broker.models import (
     Validation,
 )
 from scheduler_lib.broker.poison import PoisonOperations
+from scheduler_lib.broker.routes import RouteOperations
 from scheduler_lib.broker.store import Row
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ QUEUE_RECHECK = 1.0  # seconds a waiting RECEIVE trusts the queue's settings
 TIMER_MESSAGE_SEQUENCE = -1  # DialogTimer and lifetime errors are local: no sequence number
 
 
-class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
+class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, RouteOperations):
     """One database transaction. Use as a context manager: it commits on a clean exit and
     rolls back on an exception, and received messages then return to their queue.
 
@@ -66,6 +68,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         self._receipts: set[str] = set()  # RECEIVE got messages: a rollback is counted
         self._next_deadline: float | None = None  # soonest timer/lease/park this tx set
         self._catalog_changed = False  # activation runtimes look at the catalog again
+        self._transmitted = False  # put messages in the transmission queue: wake the transport
         self._in_gate = False
 
     # --- lifecycle -------------------------------------------------------------------
@@ -92,6 +95,8 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         try:
             for queue in sorted(self._touched_queues - self._notified_queues):
                 self._store.execute(conn, "queue_notify", name=queue)
+            if self._transmitted and self._store.has("transmission_notify"):
+                self._store.execute(conn, "transmission_notify")
             conn.commit()
         except BaseException:
             failed = True
@@ -106,6 +111,8 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
                 if failed:  # a commit that failed rolled back: count it like one
                     self._after_rollback()
         woken = self._touched_queues | self._received_queues
+        if self._transmitted:
+            woken.add(wakeup.TRANSMISSION)
         if self._catalog_changed:
             woken.add(wakeup.CATALOG)
             self._broker._waited_queues.clear()  # RECEIVEs here see the change at once
@@ -304,6 +311,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
             state=EndpointState.STARTED_INBOUND.value,
             lifetime_expires_at=endpoint.lifetime_expires_at,
             now=now,
+            is_remote=False,
         )
         return self._endpoint(handle)
 
@@ -390,6 +398,8 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         if endpoint.state.value not in SENDABLE_STATES:
             raise state_error(endpoint, "send on")
         checks.check_body(message_type, validation, data)
+        if endpoint.is_remote:
+            return self._send_remote(endpoint, message_type, data)
         far = self._far_endpoint(endpoint, create=True)
         assert far is not None
         if far.state.value not in SENDABLE_STATES:
@@ -407,6 +417,72 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
         seq = int(taken["message_sequence_number"])
         self._enqueue_at(far, seq, message_type, data, fair_at=float(taken["fair_at"]))
         return seq
+
+    def _send_remote(
+        self, endpoint: ConversationEndpoint, message_type: str, data: bytes | None
+    ) -> int:
+        """SEND to a service on another broker: the message waits in the transmission
+        queue until that broker acknowledges it (the transport sends it)."""
+        handle = str(endpoint.conversation_handle)
+        taken = self._one(
+            "endpoint_take_send_sequence", handle=handle, quantum=None, now=time.time()
+        )
+        if taken is None:  # the state changed since we read it
+            raise state_error(self._endpoint(handle), "send on")
+        seq = int(taken["message_sequence_number"])
+        self._transmit(endpoint, seq, message_type, data)
+        return seq
+
+    def _transmit(
+        self, endpoint: ConversationEndpoint, seq: int, message_type: str, body: bytes | None
+    ) -> None:
+        """Put message ``seq`` of ``endpoint`` in the transmission queue for its far
+        broker; the transport is woken at commit."""
+        self._execute(
+            "outgoing_insert",
+            handle=str(endpoint.conversation_handle),
+            conversation_id=str(endpoint.conversation_id),
+            is_initiator=endpoint.is_initiator,
+            from_service=endpoint.service_name,
+            to_service=endpoint.far_service_name,
+            contract=endpoint.contract_name,
+            seq=seq,
+            message_type=message_type,
+            body=body,
+            priority=endpoint.priority,
+            lifetime_expires_at=endpoint.lifetime_expires_at,
+            group_id=str(endpoint.conversation_group_id),
+            now=time.time(),
+        )
+        self._wrote = True
+        self._transmitted = True
+
+    def _end_remote(
+        self, endpoint: ConversationEndpoint, error: int | None, description: str | None
+    ) -> None:
+        """END CONVERSATION of a conversation whose far side is on another broker: the
+        ``EndDialog`` (or ``Error``) travels as the conversation's next message."""
+        handle = str(endpoint.conversation_handle)
+        if endpoint.is_initiator and endpoint.send_sequence == 0:
+            self._close(endpoint)  # nothing was ever sent: the far side never knew of it
+            return
+        self._execute("messages_delete_conversation", handle=handle)
+        self._execute("transmission_delete_held", handle=handle)
+        seq = int(self._scalar("endpoint_take_system_sequence", handle=handle))
+        if endpoint.state in (EndpointState.DISCONNECTED_INBOUND, EndpointState.ERROR):
+            # The far side ended (or this side failed): the last to leave closes, and tells
+            # the far side, which waits in DISCONNECTED_OUTBOUND for this.
+            self._close(endpoint)
+            self._transmit(endpoint, seq, END_DIALOG, None)
+            return
+        if error is None:
+            self._transmit(endpoint, seq, END_DIALOG, None)
+        else:
+            body = json.dumps({"code": error, "description": description}).encode()
+            self._transmit(endpoint, seq, ERROR, body)
+        self._execute(
+            "endpoint_set_state", handle=handle, state=EndpointState.DISCONNECTED_OUTBOUND.value
+        )
 
     def _enqueue_at(
         self,
@@ -483,12 +559,23 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations):
             )
 
     def _close(self, endpoint: ConversationEndpoint) -> None:
-        """Remove an endpoint, its messages and, once empty, its group."""
+        """Remove an endpoint, its messages and, once empty, its group. A remote
+        conversation's endpoint stays as a tombstone (state ``CD``) for a while: late
+        copies of its messages must be recognised, not open a new conversation."""
         handle = str(endpoint.conversation_handle)
         self._execute("messages_delete_conversation", handle=handle)
         self._execute("transmission_delete_conversation", handle=handle)
         self._execute("leases_delete_conversation", handle=handle)
         self._execute("poison_history_delete_conversation", handle=handle)
+        self._wrote = True
+        if endpoint.is_remote:
+            self._execute(
+                "fragments_delete_conversation",
+                conversation_id=str(endpoint.conversation_id),
+                is_initiator=not endpoint.is_initiator,
+            )
+            self._execute("endpoint_tombstone", handle=handle, now=time.time())
+            return
         self._execute("endpoint_delete", handle=handle)
         self._execute("group_delete_if_empty", group_id=str(endpoint.conversation_group_id))
 

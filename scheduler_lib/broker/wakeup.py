@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 CHANNEL = "scheduler_lib_broker"
 CATALOG = "<catalog>"  # the key woken when queues or event notifications change
+TRANSMISSION = "<transmission>"  # the key woken when messages enter the transmission queue
 SQLITE_WATCH_INTERVAL = 0.005  # seconds between reads of PRAGMA data_version
 SQLITE_POLL_INTERVAL = 0.5  # seconds; fallback re-check by a waiter on SQLite
 POSTGRESQL_POLL_INTERVAL = 1.0  # seconds; fallback should a NOTIFY be missed

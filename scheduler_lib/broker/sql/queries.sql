@@ -241,7 +241,7 @@ AND NOT EXISTS (
 INSERT INTO conversation_endpoints (
     conversation_handle, conversation_id, is_initiator, service_name, far_service_name,
     contract_name, queue_name, conversation_group_id, state, priority, send_sequence,
-    receive_sequence, lifetime_expires_at, timer_due_at, created_at
+    receive_sequence, lifetime_expires_at, timer_due_at, created_at, is_remote
 ) VALUES (
     :handle, :conversation_id, :is_initiator, :service, :far_service, :contract, :queue,
     :group_id, :state, coalesce((
@@ -255,7 +255,7 @@ INSERT INTO conversation_endpoints (
         ORDER BY (p.contract_name IS NOT NULL) DESC, (p.local_service_name IS NOT NULL) DESC,
             (p.remote_service_name IS NOT NULL) DESC
         LIMIT 1
-    ), 5), 0, 0, :lifetime_expires_at, NULL, :now
+    ), 5), 0, 0, :lifetime_expires_at, NULL, :now, :is_remote
 );
 
 -- name: endpoint_get
@@ -385,6 +385,11 @@ DELETE FROM transmission_queue WHERE to_queue_name = :queue;
 -- name: transmission_delete_conversation
 -- Ending or cleaning up a conversation drops what it still had in transit.
 DELETE FROM transmission_queue WHERE conversation_handle = :handle;
+
+-- name: transmission_delete_held
+-- END CONVERSATION of a remote conversation: the messages held for this endpoint go, its
+-- own outgoing ones (sent before the EndDialog that follows them) stay.
+DELETE FROM transmission_queue WHERE conversation_handle = :handle AND NOT is_outgoing;
 
 -- name: transmission_list
 -- sys.transmission_queue.
@@ -550,6 +555,11 @@ SELECT setting_value FROM broker_settings WHERE setting_name = :name;
 -- name: setting_set
 -- Change a broker-wide setting.
 UPDATE broker_settings SET setting_value = :value WHERE setting_name = :name;
+
+-- name: setting_insert_once
+-- Create a broker-wide setting unless it exists.
+INSERT INTO broker_settings (setting_name, setting_value) VALUES (:name, :value)
+ON CONFLICT (setting_name) DO NOTHING;
 
 -- name: monitor_ensure
 -- A queue monitor row for a queue that activates (idempotent).
@@ -784,3 +794,150 @@ SELECT * FROM message_leases WHERE expires_at <= :now ORDER BY expires_at LIMIT 
 -- name: leases_delete_conversation
 -- A closed conversation's leased messages go with it.
 DELETE FROM message_leases WHERE conversation_handle = :handle;
+
+
+-- ---------------------------------------------------------------------------------
+-- Broker-to-broker transport: routes, outgoing messages, fragments, events.
+-- ---------------------------------------------------------------------------------
+
+-- name: route_insert
+-- CREATE ROUTE.
+INSERT INTO routes (route_name, remote_service_name, broker_instance, address, created_at)
+VALUES (:name, :service, :broker_instance, :address, :now);
+
+-- name: route_update
+-- ALTER ROUTE.
+UPDATE routes SET remote_service_name = :service, broker_instance = :broker_instance,
+    address = :address
+WHERE route_name = :name;
+
+-- name: route_get
+-- One route.
+SELECT * FROM routes WHERE route_name = :name;
+
+-- name: route_list
+-- Every route (sys.routes).
+SELECT * FROM routes ORDER BY route_name;
+
+-- name: route_delete
+-- DROP ROUTE.
+DELETE FROM routes WHERE route_name = :name;
+
+-- name: routes_for_service
+-- The routes that can carry a service's messages: one of a named broker instance first.
+SELECT * FROM routes WHERE remote_service_name = :service
+ORDER BY broker_instance IS NULL, route_name;
+
+-- name: outgoing_insert
+-- A message for a service on another broker: it waits here until that broker acknowledges.
+INSERT INTO transmission_queue (
+    conversation_handle, conversation_id, is_initiator, from_service_name, to_service_name,
+    service_contract_name, message_sequence_number, message_type_name, message_body,
+    priority, lifetime_expires_at, enqueued_at, transmission_status, fair_at, is_outgoing,
+    to_queue_name, conversation_group_id
+) VALUES (
+    :handle, :conversation_id, :is_initiator, :from_service, :to_service, :contract, :seq,
+    :message_type, :body, :priority, :lifetime_expires_at, :now, '', 0, TRUE, '', :group_id
+);
+
+-- name: outgoing_after
+-- Outgoing messages past the transmitter's cursor, in arrival order.
+SELECT message_id, conversation_handle, conversation_id, is_initiator, from_service_name,
+    to_service_name, service_contract_name, message_sequence_number, message_type_name,
+    message_body, priority, lifetime_expires_at, enqueued_at
+FROM transmission_queue
+WHERE is_outgoing AND message_id > :after
+ORDER BY message_id
+LIMIT :limit;
+
+-- name: outgoing_upto
+-- Outgoing messages at or before the cursor (the periodic look for late commits).
+SELECT message_id, conversation_handle, conversation_id, is_initiator, from_service_name,
+    to_service_name, service_contract_name, message_sequence_number, message_type_name,
+    message_body, priority, lifetime_expires_at, enqueued_at
+FROM transmission_queue
+WHERE is_outgoing AND message_id <= :upto
+ORDER BY message_id
+LIMIT :limit;
+
+-- name: outgoing_delete
+-- The far broker acknowledged the message: it leaves the transmission queue.
+DELETE FROM transmission_queue WHERE message_id = :message_id AND is_outgoing;
+
+-- name: outgoing_set_status
+-- The last outcome of transmitting a message (sys.transmission_queue.transmission_status).
+UPDATE transmission_queue
+SET transmission_status = :status, attempts = attempts + :attempts, last_attempt_at = :now
+WHERE message_id = :message_id AND is_outgoing;
+
+-- name: outgoing_list
+-- Outgoing messages with their last error, oldest first.
+SELECT message_id, conversation_handle, to_service_name, message_sequence_number,
+    message_type_name, priority, enqueued_at, transmission_status, attempts, last_attempt_at
+FROM transmission_queue WHERE is_outgoing ORDER BY message_id LIMIT :limit;
+
+-- name: endpoint_of_conversation
+-- The endpoint of one side of a conversation (the transport's lookup by conversation id).
+SELECT * FROM conversation_endpoints
+WHERE conversation_id = :conversation_id AND is_initiator = :is_initiator;
+
+-- name: endpoint_tombstone
+-- A remote conversation's endpoint closes but stays (state CD) so that late copies of
+-- its messages are known for duplicates.
+UPDATE conversation_endpoints
+SET state = 'CD', closed_at = :now, timer_due_at = NULL, lifetime_expires_at = NULL
+WHERE conversation_handle = :handle;
+
+-- name: endpoints_closed_before
+-- Tombstones old enough to go.
+SELECT conversation_handle, conversation_group_id FROM conversation_endpoints
+WHERE closed_at IS NOT NULL AND closed_at < :before
+LIMIT :limit;
+
+-- name: fragment_insert
+-- A fragment (or a whole message ahead of its turn) waiting to be delivered; a copy of
+-- one already here changes nothing.
+INSERT INTO transport_fragments (
+    conversation_id, is_initiator, message_sequence_number, fragment_index, fragment_count,
+    message_type_name, message_body, received_at
+) VALUES (:conversation_id, :is_initiator, :seq, :fragment_index, :fragment_count,
+    :message_type, :body, :now)
+ON CONFLICT DO NOTHING;
+
+-- name: fragments_of_message
+-- The fragments of one message that have arrived, in order.
+SELECT fragment_index, fragment_count, message_type_name, message_body
+FROM transport_fragments
+WHERE conversation_id = :conversation_id AND is_initiator = :is_initiator
+AND message_sequence_number = :seq
+ORDER BY fragment_index;
+
+-- name: fragments_delete_message
+-- A message was delivered whole: its fragments go.
+DELETE FROM transport_fragments
+WHERE conversation_id = :conversation_id AND is_initiator = :is_initiator
+AND message_sequence_number = :seq;
+
+-- name: fragments_delete_conversation
+-- A conversation closed: whatever of it was still waiting goes.
+DELETE FROM transport_fragments
+WHERE conversation_id = :conversation_id AND is_initiator = :is_initiator;
+
+-- name: fragments_any_of_conversation
+-- Whether anything of a conversation (in one direction) is still waiting.
+SELECT 1 AS waiting FROM transport_fragments
+WHERE conversation_id = :conversation_id AND is_initiator = :is_initiator
+LIMIT 1;
+
+-- name: fragments_waiting
+-- The conversations that have something waiting (read once when a transport starts).
+SELECT DISTINCT conversation_id, is_initiator FROM transport_fragments;
+
+-- name: transport_event_insert
+-- Something the transport refused: a corrupted frame, a connection, a message.
+INSERT INTO transport_events (occurred_at, event_type, peer, detail)
+VALUES (:now, :event_type, :peer, :detail);
+
+-- name: transport_event_list
+-- The newest transport events first.
+SELECT * FROM transport_events ORDER BY event_id DESC LIMIT :limit;

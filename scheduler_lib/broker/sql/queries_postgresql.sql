@@ -5,6 +5,11 @@
 SELECT pg_notify('scheduler_lib_broker', queue_name) FROM queues
 WHERE queue_name = :name AND waiting_receivers > 0;
 
+-- name: transmission_notify
+-- Wake the transport endpoints: a committed transaction put messages in the transmission
+-- queue.
+SELECT pg_notify('scheduler_lib_broker', '<transmission>');
+
 -- name: receive_pick_group
 -- Lock the group of the first ready message whose group nobody else holds.
 SELECT g.conversation_group_id FROM queue_messages m

@@ -1,0 +1,12 @@
+"""Broker-to-broker transport (seed 003): routes lead a conversation's messages to the
+broker that hosts its far service; the transmission queue keeps each until that broker
+acknowledges it; a TCP endpoint per broker speaks the adjacent-broker protocol (signed
+frames, fragments, piggy-backed acknowledgements, retransmission with backoff)."""
+
+from scheduler_lib.broker.transport.endpoint import (
+    ConnectionInfo,
+    TransportEndpoint,
+    running,
+)
+
+__all__ = ["ConnectionInfo", "TransportEndpoint", "running"]

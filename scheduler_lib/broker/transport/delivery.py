@@ -1,0 +1,367 @@
+"""The conversation protocol's database side: accepting what arrives from another broker
+(exactly once, in order, whole) and keeping what goes out until it is acknowledged.
+
+Everything here runs inside a broker transaction on the endpoint's database thread; the
+network side (:mod:`.endpoint`) acknowledges a fragment only after the transaction that
+stored it committed, so an acknowledged fragment is never lost, and a fragment that was
+not acknowledged is sent again and recognised as a duplicate if it had in fact arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.models import (
+    END_DIALOG,
+    ERROR,
+    ConversationEndpoint,
+    EndpointState,
+    SentBy,
+    Validation,
+)
+
+if TYPE_CHECKING:
+    from scheduler_lib.broker.broker import Broker
+    from scheduler_lib.broker.transaction import Transaction
+
+log = logging.getLogger(__name__)
+
+SENDABLE = (
+    EndpointState.STARTED_OUTBOUND,
+    EndpointState.STARTED_INBOUND,
+    EndpointState.CONVERSING,
+)
+CLOSED_RETENTION = 1800.0  # seconds a remote conversation's closed endpoint is kept
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragment:
+    """One fragment of a conversation message as it arrived (a small message is one)."""
+
+    conversation_id: str
+    from_initiator: bool  # which side sent it
+    seq: int
+    index: int
+    count: int
+    from_service: str
+    to_service: str
+    contract: str
+    message_type: str
+    body: bytes | None
+    lifetime_expires_at: float | None = None
+
+    @property
+    def key(self) -> tuple[str, bool, int, int]:
+        """What its acknowledgement names."""
+        return (self.conversation_id, self.from_initiator, self.seq, self.index)
+
+
+class Receiver:
+    """Accepts arriving fragments into one broker's queues.
+
+    Keeps two hints in memory, both safe to be stale in one direction only: the
+    conversations that may have fragments waiting (a superset: an extra look costs one
+    query), and the catalog facts it checks messages against (re-read on a miss).
+    """
+
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+        self._waiting: set[tuple[str, bool]] = set()
+        self._allowed: dict[tuple[str, str], SentBy] = {}  # (contract, type) -> sender
+        self._validation: dict[str, Validation] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        """Read which conversations have fragments waiting (at start, after a failure)."""
+        with self._broker.transaction() as tx:
+            rows = tx._all("fragments_waiting")
+        self._waiting = {(r["conversation_id"], bool(r["is_initiator"])) for r in rows}
+
+    def accept_batch(self, fragments: Sequence[Fragment]) -> list[str | None]:
+        """Store a batch in one transaction.
+
+        :return: per fragment, ``None`` to acknowledge it (stored, or a duplicate of one
+            stored before) or the reason it is refused (it is not acknowledged then)
+        """
+        try:
+            with self._broker.transaction() as tx:
+                return [self._accept(tx, f) for f in fragments]
+        except Exception:
+            if len(fragments) == 1:
+                raise
+            # One fragment broke the batch: take them one by one so only it is refused.
+            self.reload()
+            log.warning("a batch of %d fragments failed; retrying one by one", len(fragments))
+            outcomes: list[str | None] = []
+            for fragment in fragments:
+                try:
+                    outcomes.extend(self.accept_batch([fragment]))
+                except exceptions.BrokerError as exc:
+                    outcomes.append(f"the receiving broker failed to store it: {exc}")
+            return outcomes
+
+    # --- one fragment ------------------------------------------------------------------
+
+    def _accept(self, tx: Transaction, f: Fragment) -> str | None:
+        endpoint = self._endpoint(tx, f.conversation_id, not f.from_initiator)
+        if endpoint is None:
+            if not f.from_initiator:
+                # The initiator's endpoint is gone (ended WITH CLEANUP): nobody to give it.
+                log.info("dropped a message for unknown conversation %s", f.conversation_id)
+                return None
+            refused = self._check_new_conversation(tx, f)
+            if refused:
+                return refused
+            endpoint = self._create_target(tx, f)
+        if endpoint.state is EndpointState.CLOSED or f.seq < endpoint.receive_sequence:
+            return None  # a copy of something delivered before
+        refused = self._check_message(tx, endpoint, f)
+        if refused:
+            return refused
+        if f.count == 1 and f.seq == endpoint.receive_sequence:
+            refused = self._deliver(tx, endpoint, f.seq, f.message_type, f.body)
+            if refused:
+                return refused
+        else:
+            tx._execute(
+                "fragment_insert",
+                conversation_id=f.conversation_id,
+                is_initiator=f.from_initiator,
+                seq=f.seq,
+                fragment_index=f.index,
+                fragment_count=f.count,
+                message_type=f.message_type,
+                body=f.body,
+                now=time.time(),
+            )
+            tx._wrote = True
+            self._waiting.add((f.conversation_id, f.from_initiator))
+            if f.seq != endpoint.receive_sequence:
+                return None  # held until its predecessors arrive
+        self._drain(tx, f.conversation_id, f.from_initiator)
+        return None
+
+    def _drain(self, tx: Transaction, conversation_id: str, from_initiator: bool) -> None:
+        """Deliver the messages waiting in fragments that are now whole and next in line."""
+        key = (conversation_id, from_initiator)
+        if key not in self._waiting:
+            return
+        while True:
+            endpoint = self._endpoint(tx, conversation_id, not from_initiator)
+            if endpoint is None or endpoint.state is EndpointState.CLOSED:
+                self._waiting.discard(key)
+                return
+            seq = endpoint.receive_sequence
+            parts = tx._all(
+                "fragments_of_message",
+                conversation_id=conversation_id,
+                is_initiator=from_initiator,
+                seq=seq,
+            )
+            if not parts or len(parts) < int(parts[0]["fragment_count"]):
+                if not parts:
+                    self._forget_if_empty(tx, key)
+                return
+            body_parts = [p["message_body"] for p in parts]
+            body = None if body_parts == [None] else b"".join(p or b"" for p in body_parts)
+            tx._execute(
+                "fragments_delete_message",
+                conversation_id=conversation_id,
+                is_initiator=from_initiator,
+                seq=seq,
+            )
+            refused = self._deliver(tx, endpoint, seq, parts[0]["message_type_name"], body)
+            if refused:
+                raise exceptions.InvalidMessageBody(refused)
+
+    def _forget_if_empty(self, tx: Transaction, key: tuple[str, bool]) -> None:
+        # Whatever is still waiting for this conversation lies further ahead; the hint
+        # stays while anything does, so the next arrival looks again.
+        conversation_id, from_initiator = key
+        if not tx._one(
+            "fragments_any_of_conversation",
+            conversation_id=conversation_id,
+            is_initiator=from_initiator,
+        ):
+            self._waiting.discard(key)
+
+    def _deliver(
+        self,
+        tx: Transaction,
+        endpoint: ConversationEndpoint,
+        seq: int,
+        message_type: str,
+        body: bytes | None,
+    ) -> str | None:
+        """Message ``seq`` is whole and next: put it on the queue (or act on it, for
+        ``EndDialog`` / ``Error``) and move the endpoint's expected number on."""
+        validation = self._validation.get(message_type)
+        if validation is not None:
+            try:
+                checks.check_body(message_type, validation, body)
+            except exceptions.InvalidMessageBody as exc:
+                return str(exc)
+        if body is not None and len(body) > self._broker.max_message_size:
+            return f"message of {len(body)} bytes exceeds this broker's limit"
+        handle = str(endpoint.conversation_handle)
+        accepted = tx._one("endpoint_accept", handle=handle, seq=seq)
+        if accepted is None:
+            return None  # raced with another delivery of the same number: a duplicate
+        tx._wrote = True
+        state = endpoint.state
+        if message_type in (END_DIALOG, ERROR):
+            if state is EndpointState.DISCONNECTED_OUTBOUND:
+                tx._close(endpoint)  # both sides have ended: this one was waiting for it
+            elif state in SENDABLE:
+                tx._enqueue(accepted, handle, seq, message_type, body)
+                new = (
+                    EndpointState.DISCONNECTED_INBOUND
+                    if message_type == END_DIALOG
+                    else EndpointState.ERROR
+                )
+                tx._execute("endpoint_set_state", handle=handle, state=new.value)
+            return None
+        if state in SENDABLE:
+            tx._enqueue(accepted, handle, seq, message_type, body)
+            if state is EndpointState.STARTED_OUTBOUND:
+                tx._execute(
+                    "endpoint_set_state", handle=handle, state=EndpointState.CONVERSING.value
+                )
+        # else: this side has ended or failed; what the far side still sent is dropped.
+        return None
+
+    # --- checks and lookups ------------------------------------------------------------
+
+    @staticmethod
+    def _endpoint(
+        tx: Transaction, conversation_id: str, is_initiator: bool
+    ) -> ConversationEndpoint | None:
+        row = tx._one(
+            "endpoint_of_conversation", conversation_id=conversation_id, is_initiator=is_initiator
+        )
+        return None if row is None else ConversationEndpoint.from_row(row)
+
+    @staticmethod
+    def _check_new_conversation(tx: Transaction, f: Fragment) -> str | None:
+        if tx._one("service_get", name=f.to_service) is None:
+            return f"service {f.to_service!r} does not exist on this broker"
+        if not tx._one("service_accepts", name=f.to_service, contract=f.contract):
+            return f"service {f.to_service!r} does not accept contract {f.contract!r}"
+        return None
+
+    def _check_message(
+        self, tx: Transaction, endpoint: ConversationEndpoint, f: Fragment
+    ) -> str | None:
+        if f.message_type in (END_DIALOG, ERROR):
+            return None
+        key = (endpoint.contract_name, f.message_type)
+        if key not in self._allowed:
+            self._load_contract(tx, endpoint.contract_name)
+        sent_by = self._allowed.get(key)
+        if sent_by is None:
+            return (
+                f"message type {f.message_type!r} is not part of contract "
+                f"{endpoint.contract_name!r} on this broker"
+            )
+        side = SentBy.INITIATOR if f.from_initiator else SentBy.TARGET
+        if sent_by not in (side, SentBy.ANY):
+            return (
+                f"contract {endpoint.contract_name!r} lets only the {sent_by.value} send "
+                f"{f.message_type!r}"
+            )
+        return None
+
+    def _load_contract(self, tx: Transaction, contract: str) -> None:
+        for row in tx._all("contract_message_types", name=contract):
+            self._allowed[(contract, row["message_type_name"])] = SentBy(row["sent_by"])
+            if row["message_type_name"] not in self._validation:
+                mt = tx._one("message_type_get", name=row["message_type_name"])
+                if mt is not None:
+                    self._validation[row["message_type_name"]] = Validation(mt["validation"])
+
+    @staticmethod
+    def _create_target(tx: Transaction, f: Fragment) -> ConversationEndpoint:
+        """The target endpoint comes into being with the conversation's first arrival
+        (whichever message that is: an earlier one may still be on its way)."""
+        service = tx._service(f.to_service)
+        now = time.time()
+        handle, group_id = str(uuid.uuid4()), str(uuid.uuid4())
+        tx._execute("group_insert", group_id=group_id, queue=service["queue_name"], now=now)
+        tx._execute(
+            "endpoint_insert",
+            handle=handle,
+            conversation_id=f.conversation_id,
+            is_initiator=False,
+            service=f.to_service,
+            far_service=f.from_service,
+            contract=f.contract,
+            queue=service["queue_name"],
+            group_id=group_id,
+            state=EndpointState.STARTED_INBOUND.value,
+            lifetime_expires_at=f.lifetime_expires_at,
+            now=now,
+            is_remote=True,
+        )
+        tx._wrote = True
+        return tx._endpoint(handle)
+
+
+# --- the sending side's writes ---------------------------------------------------------
+
+
+def acknowledged(broker: Broker, message_ids: Iterable[int]) -> None:
+    """The far broker has the messages: they leave the transmission queue."""
+    rows = [{"message_id": i} for i in message_ids]
+    if rows:
+        with broker.transaction() as tx:
+            tx._store.execute_many(tx._conn(), "outgoing_delete", rows)
+            tx._wrote = True
+
+
+def set_statuses(broker: Broker, statuses: dict[int, tuple[str, int]]) -> None:
+    """Record each message's last transmission outcome (and attempts made since)."""
+    now = time.time()
+    rows = [
+        {"message_id": i, "status": status[:1024], "attempts": attempts, "now": now}
+        for i, (status, attempts) in statuses.items()
+    ]
+    if rows:
+        with broker.transaction() as tx:
+            tx._store.execute_many(tx._conn(), "outgoing_set_status", rows)
+            tx._wrote = True
+
+
+def record_events(broker: Broker, events: Sequence[tuple[float, str, str | None, str]]) -> None:
+    """Write transport events: (when, type, peer, detail)."""
+    if events:
+        rows = [
+            {"now": when, "event_type": kind, "peer": peer, "detail": detail[:1024]}
+            for when, kind, peer, detail in events
+        ]
+        with broker.transaction() as tx:
+            tx._store.execute_many(tx._conn(), "transport_event_insert", rows)
+            tx._wrote = True
+
+
+def prune_closed(broker: Broker, now: float, retention: float = CLOSED_RETENTION) -> int:
+    """Remove remote conversations' closed endpoints older than ``retention`` seconds."""
+    with broker.transaction() as tx:
+        rows = tx._all("endpoints_closed_before", before=now - retention, limit=1000)
+        for row in rows:
+            tx._execute("endpoint_delete", handle=row["conversation_handle"])
+            tx._execute("group_delete_if_empty", group_id=row["conversation_group_id"])
+        tx._wrote = tx._wrote or bool(rows)
+        return len(rows)
+
+
+def load_outgoing(broker: Broker, query: str, limit: int, **params: Any) -> list[dict[str, Any]]:
+    """Outgoing messages (``outgoing_after`` past a cursor, or ``outgoing_upto``)."""
+    with broker.transaction() as tx:
+        return [dict(r) for r in tx._all(query, limit=limit, **params)]

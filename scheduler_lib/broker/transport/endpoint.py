@@ -1,0 +1,895 @@
+"""The transport endpoint: the broker's TCP listener and its connections to peers
+(``CREATE ENDPOINT ... FOR SERVICE_BROKER``).
+
+It runs an asyncio loop in a thread of its own, next to whatever else the process does:
+
+- a **loader** thread reads outgoing messages from the transmission queue (woken when a
+  transaction puts one there, on any process: NOTIFY on PostgreSQL, the data-version
+  watcher on SQLite) and hands them to the loop with their route;
+- per peer address a :class:`~.links.Link` schedules fragments and keeps one connection,
+  dialled on demand and closed when idle — or adopted from the peer, when the peer dialled
+  us and said it listens at that address;
+- arriving fragments are stored in batches, one transaction per batch, by one database
+  thread; each is acknowledged on the connection it came by once that transaction has
+  committed — piggy-backed on the next outgoing frame there, or in an ACK frame alone;
+- an acknowledged message leaves the transmission queue; one that is not acknowledged in
+  time goes again, with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import secrets
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from scheduler_lib.broker import exceptions, routes, wakeup
+from scheduler_lib.broker.transport import delivery, frames
+from scheduler_lib.broker.transport.links import Link, Outgoing
+
+if TYPE_CHECKING:
+    from scheduler_lib.broker.broker import Broker
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+RETRY_INITIAL = 2.5  # seconds before an unacknowledged message goes again (then doubling)
+RETRY_MAX = 60.0  # seconds; the backoff's cap
+FRAGMENT_SIZE = 64 * 1024  # bytes of body per fragment
+IDLE_TIMEOUT = 90.0  # seconds without traffic before a connection is closed
+CONNECT_TIMEOUT = 5.0  # seconds to open a connection and finish the handshake
+DIAL_RETRY_FIRST = 0.2  # seconds before dialling again after a failure (then doubling)
+WINDOW = 2000  # messages in flight per endpoint; the loader waits beyond it
+LOAD_BATCH = 500  # messages read from the transmission queue at a time
+RESCAN_INTERVAL = 2.0  # seconds; look behind the cursor for messages committed late
+LOAD_POLL_INTERVAL = 0.5  # seconds; the loader looks even without a wakeup
+STARVATION_AFTER = 10.0  # seconds a fragment waits before it goes regardless of priority
+DELIVERY_BATCH = 500  # arriving fragments stored per transaction at most
+ACKS_PER_FRAME = 2000  # acknowledgements carried by one frame at most
+ROUTE_CACHE_TTL = 1.0  # seconds a route lookup is trusted
+TICK = 0.1  # seconds between looks for retransmissions and idle connections
+PRUNE_INTERVAL = 60.0  # seconds between removals of old closed remote endpoints
+WRITE_BUFFER_HIGH = 1024 * 1024  # bytes buffered on a socket before the writer waits
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionInfo:
+    """One connection, as ``sys.dm_broker_connections`` shows it."""
+
+    direction: str  # "outbound" (we dialled) or "inbound"
+    peer: str  # the remote socket address
+    peer_address: str | None  # where the peer listens (dialled, or as it said)
+    peer_broker: str
+    opened_at: float
+    last_activity_at: float
+    frames_sent: int
+    frames_received: int
+    bytes_sent: int
+    bytes_received: int
+    corrupted_frames: int
+    carries_messages: bool  # the link to its address sends on it
+
+
+class Connection:
+    """One TCP connection after the handshake."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        direction: str,
+        peer_broker: str,
+        peer_address: str | None,
+        session_key: bytes,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.direction = direction
+        self.peer_broker = peer_broker
+        self.peer_address = peer_address
+        self.key = session_key
+        peername = writer.get_extra_info("peername")
+        self.peer = f"{peername[0]}:{peername[1]}" if peername else "?"
+        self.opened_at = self.last_activity = time.time()
+        self.frames_sent = self.frames_received = 0
+        self.bytes_sent = self.bytes_received = 0
+        self.corrupted = 0
+        self.acks: list[list[Any]] = []
+        self.rejects: list[list[Any]] = []
+        self.link: Link | None = None
+        self.wake = asyncio.Event()
+        self.closed = False
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def info(self) -> ConnectionInfo:
+        return ConnectionInfo(
+            direction=self.direction,
+            peer=self.peer,
+            peer_address=self.peer_address,
+            peer_broker=self.peer_broker,
+            opened_at=self.opened_at,
+            last_activity_at=self.last_activity,
+            frames_sent=self.frames_sent,
+            frames_received=self.frames_received,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            corrupted_frames=self.corrupted,
+            carries_messages=self.link is not None and self.link.connection is self,
+        )
+
+
+class TransportEndpoint:
+    """A broker's endpoint for broker-to-broker messages.
+
+    ::
+
+        with TransportEndpoint(broker, key=secret, listen="127.0.0.1:4022"):
+            ...  # messages to services with routes elsewhere go out; theirs come in
+
+    :param broker: the broker (database) this endpoint serves
+    :param key: the transport key shared by the brokers that talk to each other (16+
+        bytes, or text); it signs every frame
+    :param listen: ``host:port`` to accept connections on (port 0: any free port), or
+        ``None`` to only dial out
+    :param advertise: the address peers reach us at (``tcp://host:port``), told them in
+        the handshake so they can send on our connection instead of dialling back;
+        default the listening address
+    :param server_ssl: TLS for accepted connections
+    :param client_ssl: TLS for dialled connections
+    :param retry_initial: seconds before an unacknowledged message is sent again
+    :param retry_max: the cap of the doubling backoff, in seconds
+    :param fragment_size: bytes of body per fragment
+    :param idle_timeout: seconds without traffic before a connection is closed
+    :param window: messages in flight at most
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        key: bytes | str,
+        listen: str | None = f"127.0.0.1:{routes.DEFAULT_PORT}",
+        advertise: str | None = None,
+        server_ssl: ssl.SSLContext | None = None,
+        client_ssl: ssl.SSLContext | None = None,
+        retry_initial: float = RETRY_INITIAL,
+        retry_max: float = RETRY_MAX,
+        fragment_size: int = FRAGMENT_SIZE,
+        idle_timeout: float = IDLE_TIMEOUT,
+        window: int = WINDOW,
+    ) -> None:
+        self._broker = broker
+        self._key = _transport_key(key)
+        self._listen = None if listen is None else _host_port(listen, "listen")
+        if advertise is not None:
+            routes.parse_address(advertise)
+        self._advertise = advertise
+        self._server_ssl = server_ssl
+        self._client_ssl = client_ssl
+        for name, value in (("retry_initial", retry_initial), ("retry_max", retry_max)):
+            if not value > 0:
+                raise exceptions.InvalidArgument(f"{name} must be > 0 seconds, got {value!r}")
+        if retry_max < retry_initial:
+            raise exceptions.InvalidArgument("retry_max must not be below retry_initial")
+        if fragment_size < 1024:
+            raise exceptions.InvalidArgument(
+                f"fragment_size must be at least 1024 bytes, got {fragment_size!r}"
+            )
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self.fragment_size = min(fragment_size, frames.MAX_BODY)
+        self.idle_timeout = idle_timeout
+        self.window = window
+        self.broker_instance = broker.broker_instance
+        self.address: str | None = None  # tcp://host:port once listening
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._loader: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._stop_async: asyncio.Event | None = None
+        self._db = concurrent.futures.ThreadPoolExecutor(1, "transport-deliver")
+        self._writes = concurrent.futures.ThreadPoolExecutor(1, "transport-writes")
+        self._receiver = delivery.Receiver(broker)
+        # Loop state (touched only on the loop's thread).
+        self._links: dict[str, Link] = {}
+        self._connections: set[Connection] = set()
+        self._by_key: dict[tuple[str, bool, int], Outgoing] = {}
+        self._incoming: asyncio.Queue[tuple[delivery.Fragment, Connection]] | None = None
+        self._acked_ids: list[int] = []
+        self._statuses: dict[int, tuple[str, int]] = {}  # id -> (status, attempts)
+        self._dirty_statuses: set[int] = set()  # statuses not written yet
+        self._inflight: dict[int, Outgoing] = {}
+        self._events: list[tuple[float, str, str | None, str]] = []
+        self._honor_priority = False
+        # Shared with the loader thread.
+        self._known_lock = threading.Lock()
+        self._known: set[int] = set()  # in flight or being deleted: the loader skips them
+        self._written_status: dict[int, str] = {}  # loader: last status it wrote per id
+        self._route_cache: dict[str, tuple[float, routes.Route | None]] = {}
+
+    # --- lifecycle (any thread) ----------------------------------------------------------
+
+    def start(self) -> TransportEndpoint:
+        """Start listening and sending; returns once the listener is bound.
+
+        :raises BrokerError: when it cannot listen (the address is in use, ...)
+        """
+        self._thread = threading.Thread(target=self._run, name="transport-endpoint", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise exceptions.BrokerError(
+                f"transport endpoint cannot start: {self._startup_error}"
+            ) from self._startup_error
+        self._loader = threading.Thread(target=self._load_loop, name="transport-load", daemon=True)
+        self._loader.start()
+        return self
+
+    def stop(self) -> None:
+        """Close every connection and stop. Unacknowledged messages stay in the
+        transmission queue for the next start."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._broker._wakeups.notify({wakeup.TRANSMISSION})
+        if self._loop is not None and self._stop_async is not None:
+            self._loop.call_soon_threadsafe(self._stop_async.set)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self._loader is not None:
+            self._loader.join(timeout=10)
+        self._db.shutdown(wait=True)
+        self._writes.shutdown(wait=True)
+
+    def __enter__(self) -> TransportEndpoint:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def connections(self) -> list[ConnectionInfo]:
+        """The open connections (``sys.dm_broker_connections``)."""
+        if self._loop is None or self._stopping.is_set():
+            return []
+        future = asyncio.run_coroutine_threadsafe(self._snapshot(), self._loop)
+        return future.result(timeout=5)
+
+    async def _snapshot(self) -> list[ConnectionInfo]:
+        return [c.info() for c in sorted(self._connections, key=lambda c: c.opened_at)]
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # surfaced by start() when it happens before ready
+            if not self._ready.is_set():
+                self._startup_error = exc
+                self._ready.set()
+            else:
+                log.exception("transport endpoint stopped by an error")
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop_async = asyncio.Event()
+        self._incoming = asyncio.Queue()
+        server = None
+        if self._listen is not None:
+            host, port = self._listen
+            server = await asyncio.start_server(self._on_inbound, host, port, ssl=self._server_ssl)
+            bound = server.sockets[0].getsockname()
+            self.address = f"tcp://{host}:{bound[1]}"
+        tasks = [
+            asyncio.create_task(self._deliver_loop(), name="transport-deliver"),
+            asyncio.create_task(self._tick_loop(), name="transport-tick"),
+        ]
+        self._ready.set()
+        log.info(
+            "transport endpoint of broker %s listening at %s", self.broker_instance, self.address
+        )
+        try:
+            await self._stop_async.wait()
+        finally:
+            if server is not None:
+                server.close()
+            for conn in list(self._connections):
+                await self._close(conn, "endpoint stopping")
+            for task in tasks:
+                task.cancel()
+            for link in self._links.values():
+                if link.dialing is not None:
+                    link.dialing.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._flush_writes()
+
+    # --- the loader thread -------------------------------------------------------------
+
+    def _load_loop(self) -> None:
+        broker = self._broker
+        broker._watch_sqlite()  # SQLite: wake on commits of other processes too
+        cursor, last_rescan = 0, 0.0
+        while not self._stopping.is_set():
+            seen = broker._wakeups.generation(wakeup.TRANSMISSION)
+            try:
+                rows, cursor, last_rescan = self._load_once(cursor, last_rescan)
+            except Exception:  # the loader must outlive a passing database error
+                log.warning("transport: reading the transmission queue failed", exc_info=True)
+                rows = []
+            if len(rows) >= LOAD_BATCH:
+                continue  # more are waiting
+            broker._wakeups.wait(wakeup.TRANSMISSION, seen, LOAD_POLL_INTERVAL)
+
+    def _load_once(
+        self, cursor: int, last_rescan: float
+    ) -> tuple[list[dict[str, Any]], int, float]:
+        with self._known_lock:
+            room = self.window - len(self._known)
+        if room <= 0:
+            return [], cursor, last_rescan
+        rows = delivery.load_outgoing(
+            self._broker, "outgoing_after", min(LOAD_BATCH, room), after=cursor
+        )
+        if rows:
+            cursor = max(cursor, max(r["message_id"] for r in rows))
+        now = time.monotonic()
+        if now - last_rescan >= RESCAN_INTERVAL:
+            # A transaction that took an id below the cursor may have committed after we
+            # read past it (PostgreSQL); and messages without a route wait here too.
+            last_rescan = now
+            with self._known_lock:
+                known = set(self._known)
+            seen = {r["message_id"] for r in rows}
+            late = delivery.load_outgoing(
+                self._broker, "outgoing_upto", room + len(known), upto=cursor
+            )
+            rows += [
+                r for r in late if r["message_id"] not in known and r["message_id"] not in seen
+            ]
+            self._honor_priority = bool(self._broker.honor_broker_priority())
+        routed: list[tuple[dict[str, Any], routes.Route]] = []
+        unrouted: dict[int, tuple[str, int]] = {}
+        for row in rows:
+            route = self._route(row["to_service_name"])
+            if route is None:
+                status = f"no route to service {row['to_service_name']!r}"
+                if self._written_status.get(row["message_id"]) != status:
+                    self._written_status[row["message_id"]] = status
+                    unrouted[row["message_id"]] = (status, 0)
+            else:
+                routed.append((row, route))
+        if unrouted:
+            delivery.set_statuses(self._broker, unrouted)
+        if routed and self._loop is not None:
+            with self._known_lock:
+                self._known.update(row["message_id"] for row, _ in routed)
+            self._loop.call_soon_threadsafe(self._on_loaded, routed)
+        return rows, cursor, last_rescan
+
+    def _route(self, service: str) -> routes.Route | None:
+        now = time.monotonic()
+        cached = self._route_cache.get(service)
+        if cached is not None and now - cached[0] < ROUTE_CACHE_TTL:
+            return cached[1]
+        with self._broker.transaction() as tx:
+            route = routes.remote_route(tx, service)
+        self._route_cache[service] = (now, route)
+        return route
+
+    # --- sending (loop thread) ---------------------------------------------------------
+
+    def _on_loaded(self, routed: list[tuple[dict[str, Any], routes.Route]]) -> None:
+        now = time.time()
+        for row, route in routed:
+            if row["message_id"] in self._inflight:
+                continue
+            body = row["message_body"]
+            if body is None:
+                parts: list[bytes | None] = [None]
+            else:
+                body = bytes(body)
+                size = self.fragment_size
+                parts = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
+            message = Outgoing(
+                message_id=row["message_id"],
+                conversation_id=row["conversation_id"],
+                from_initiator=bool(row["is_initiator"]),
+                seq=int(row["message_sequence_number"]),
+                priority=int(row["priority"]),
+                enqueued_at=float(row["enqueued_at"]),
+                address=route.address,
+                header={
+                    "c": row["conversation_id"],
+                    "i": int(bool(row["is_initiator"])),
+                    "s": int(row["message_sequence_number"]),
+                    "n": len(parts),
+                    "fs": row["from_service_name"],
+                    "ts": row["to_service_name"],
+                    "ct": row["service_contract_name"],
+                    "mt": row["message_type_name"],
+                    "lt": row["lifetime_expires_at"],
+                },
+                fragments=parts,
+                backoff=self.retry_initial,
+            )
+            link = self._link(route)
+            link.messages[message.message_id] = message
+            self._by_key[message.key] = message
+            self._inflight[message.message_id] = message
+            if link.connection is not None:
+                link.start_round(message, now)
+                link.connection.wake.set()
+            else:
+                self._connect(link)
+
+    def _link(self, route: routes.Route) -> Link:
+        link = self._links.get(route.address)
+        if link is None:
+            link = self._links[route.address] = Link(route.address, route.broker_instance)
+        elif route.broker_instance is not None:
+            link.expected_instance = route.broker_instance
+        return link
+
+    def _connect(self, link: Link) -> None:
+        """Give the link a connection: adopt one the peer dialled, else dial."""
+        if link.connection is not None or link.dialing is not None or self._stopping.is_set():
+            return
+        for conn in self._connections:
+            if (
+                conn.peer_address == link.address
+                and not conn.closed
+                and self._acceptable(link, conn)
+            ):
+                self._attach(link, conn)
+                return
+        link.dialing = asyncio.create_task(self._dial(link), name=f"dial {link.address}")
+
+    def _acceptable(self, link: Link, conn: Connection) -> bool:
+        return link.expected_instance is None or link.expected_instance == conn.peer_broker
+
+    def _attach(self, link: Link, conn: Connection) -> None:
+        link.connection = conn
+        link.last_error = None
+        conn.link = link
+        now = time.time()
+        for message in link.messages.values():
+            if not message.pending:  # written into a connection that may be gone: again
+                message.backoff = self.retry_initial
+                link.start_round(message, now)
+        conn.wake.set()
+
+    async def _dial(self, link: Link) -> None:
+        delay = DIAL_RETRY_FIRST
+        try:
+            while link.has_work() and not self._stopping.is_set():
+                try:
+                    conn = await asyncio.wait_for(self._open(link), CONNECT_TIMEOUT)
+                except Exception as exc:
+                    error = f"cannot connect to {link.address}: {_describe(exc)}"
+                    if error != link.last_error:
+                        log.warning("transport: %s", error)
+                    link.last_error = error
+                    for message in link.messages.values():
+                        self._status(message, error, 0)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.retry_initial)
+                    continue
+                link.dialing = None
+                self._attach(link, conn)
+                return
+        finally:
+            link.dialing = None
+
+    async def _open(self, link: Link) -> Connection:
+        host, port = routes.parse_address(link.address)
+        reader, writer = await asyncio.open_connection(host, port, ssl=self._client_ssl)
+        try:
+            nonce = secrets.token_hex(16)
+            hello = {
+                "v": PROTOCOL_VERSION,
+                "broker": self.broker_instance,
+                "nonce": nonce,
+                "listen": self._advertise or self.address,
+            }
+            writer.write(frames.encode(frames.Kind.HELLO, hello, None, self._key))
+            try:
+                welcome = await frames.read(reader, self._key)
+            except frames.CorruptFrame:
+                raise ConnectionError(
+                    "the peer's WELCOME does not verify: the two brokers have different "
+                    "transport keys"
+                ) from None
+            except asyncio.IncompleteReadError:
+                raise ConnectionError(
+                    "the peer closed the connection during the handshake (it refused our "
+                    "HELLO: different transport keys?)"
+                ) from None
+            header = welcome.header
+            if welcome.kind is not frames.Kind.WELCOME or not isinstance(header.get("nonce"), str):
+                raise ConnectionError(f"expected WELCOME, got {welcome.kind.name}")
+            peer_broker = str(header.get("broker"))
+            if link.expected_instance not in (None, peer_broker):
+                raise ConnectionError(
+                    f"broker {peer_broker} answers at {link.address}, but the route names "
+                    f"broker instance {link.expected_instance}"
+                )
+        except BaseException:
+            writer.close()
+            raise
+        conn = Connection(
+            reader,
+            writer,
+            direction="outbound",
+            peer_broker=peer_broker,
+            peer_address=link.address,
+            session_key=frames.session_key(self._key, nonce, header["nonce"]),
+        )
+        self._serve(conn)
+        return conn
+
+    # --- accepting (loop thread) -------------------------------------------------------
+
+    async def _on_inbound(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        peer = f"{peername[0]}:{peername[1]}" if peername else "?"
+        try:
+            hello = await asyncio.wait_for(frames.read(reader, self._key), CONNECT_TIMEOUT)
+            header = hello.header
+            if hello.kind is not frames.Kind.HELLO:
+                raise frames.GarbageFrame(f"expected HELLO, got {hello.kind.name}")
+            if not isinstance(header.get("nonce"), str) or not isinstance(
+                header.get("broker"), str
+            ):
+                raise frames.GarbageFrame("HELLO without broker id or nonce")
+            if header.get("v") != PROTOCOL_VERSION:
+                raise frames.GarbageFrame(f"protocol version {header.get('v')!r} is not ours")
+        except frames.CorruptFrame:
+            self._reject_connection(
+                writer, peer, "its HELLO does not verify (wrong transport key?)"
+            )
+            return
+        except frames.GarbageFrame as exc:
+            self._reject_connection(writer, peer, f"garbage instead of a HELLO: {exc}")
+            return
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, OSError) as exc:
+            log.info(
+                "transport: connection from %s ended before its HELLO (%s)", peer, _describe(exc)
+            )
+            writer.close()
+            return
+        nonce = secrets.token_hex(16)
+        welcome = {"v": PROTOCOL_VERSION, "broker": self.broker_instance, "nonce": nonce}
+        writer.write(frames.encode(frames.Kind.WELCOME, welcome, None, self._key))
+        listen = header.get("listen")
+        conn = Connection(
+            reader,
+            writer,
+            direction="inbound",
+            peer_broker=header["broker"],
+            peer_address=listen if isinstance(listen, str) else None,
+            session_key=frames.session_key(self._key, header["nonce"], nonce),
+        )
+        self._serve(conn)
+        link = self._links.get(conn.peer_address or "")
+        if link is not None and link.connection is None and self._acceptable(link, conn):
+            if link.dialing is not None:
+                link.dialing.cancel()
+                link.dialing = None
+            self._attach(link, conn)
+
+    def _reject_connection(self, writer: asyncio.StreamWriter, peer: str, reason: str) -> None:
+        log.warning("transport: rejected a connection from %s: %s", peer, reason)
+        self._event("CONNECTION_REJECTED", peer, reason)
+        writer.close()
+
+    # --- a connection's reader and writer ----------------------------------------------
+
+    def _serve(self, conn: Connection) -> None:
+        self._connections.add(conn)
+        conn.tasks = [
+            asyncio.create_task(self._read_loop(conn), name=f"read {conn.peer}"),
+            asyncio.create_task(self._write_loop(conn), name=f"write {conn.peer}"),
+        ]
+
+    async def _read_loop(self, conn: Connection) -> None:
+        reason = "closed by the peer"
+        try:
+            while True:
+                try:
+                    frame = await frames.read(conn.reader, conn.key)
+                except frames.CorruptFrame as exc:
+                    conn.corrupted += 1
+                    log.warning("transport: dropped a corrupted frame from %s: %s", conn.peer, exc)
+                    self._event("CORRUPTED_MESSAGE", conn.peer, str(exc))
+                    continue
+                conn.last_activity = time.time()
+                conn.frames_received += 1
+                conn.bytes_received += len(frame.body or b"") + frames.PREFIX.size
+                self._on_frame(conn, frame)
+        except frames.GarbageFrame as exc:
+            reason = f"garbage on the connection: {exc}"
+            log.warning("transport: closing the connection with %s: %s", conn.peer, reason)
+            self._event("CONNECTION_REJECTED", conn.peer, reason)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, ssl.SSLError) as exc:
+            reason = _describe(exc)
+        except asyncio.CancelledError:
+            return
+        await self._close(conn, reason)
+
+    def _on_frame(self, conn: Connection, frame: frames.Frame) -> None:
+        header = frame.header
+        try:
+            for c, i, s, f in header.get("a", ()):
+                self._on_ack((str(c), bool(i), int(s)), int(f))
+            for c, i, s, _f, reason in header.get("r", ()):
+                self._on_reject((str(c), bool(i), int(s)), str(reason), conn)
+            if frame.kind is frames.Kind.MESSAGE:
+                fragment = delivery.Fragment(
+                    conversation_id=str(header["c"]),
+                    from_initiator=bool(header["i"]),
+                    seq=int(header["s"]),
+                    index=int(header["f"]),
+                    count=int(header["n"]),
+                    from_service=str(header["fs"]),
+                    to_service=str(header["ts"]),
+                    contract=str(header["ct"]),
+                    message_type=str(header["mt"]),
+                    body=frame.body,
+                    lifetime_expires_at=header.get("lt"),
+                )
+                if not 0 <= fragment.index < fragment.count:
+                    raise ValueError(f"fragment {fragment.index} of {fragment.count}")
+                assert self._incoming is not None
+                self._incoming.put_nowait((fragment, conn))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise frames.GarbageFrame(f"malformed {frame.kind.name} header: {exc!r}") from None
+
+    async def _write_loop(self, conn: Connection) -> None:
+        writer = conn.writer
+        try:
+            while not conn.closed:
+                await conn.wake.wait()
+                conn.wake.clear()
+                while not conn.closed:
+                    data = self._next_frame(conn)
+                    if data is None:
+                        break
+                    writer.write(data)
+                    conn.frames_sent += 1
+                    conn.bytes_sent += len(data)
+                    conn.last_activity = time.time()
+                    if writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH:
+                        await writer.drain()
+                await writer.drain()
+        except (ConnectionError, OSError, ssl.SSLError) as exc:
+            await self._close(conn, _describe(exc))
+        except asyncio.CancelledError:
+            return
+
+    def _next_frame(self, conn: Connection) -> bytes | None:
+        """The next frame for a connection: a fragment of its link (with the pending
+        acknowledgements on it), else rejections, else acknowledgements alone."""
+        link = conn.link if conn.link is not None and conn.link.connection is conn else None
+        now = time.time()
+        entry = None if link is None else link.pop(now, self._honor_priority, STARVATION_AFTER)
+        acks = conn.acks[:ACKS_PER_FRAME]
+        del conn.acks[: len(acks)]
+        if entry is not None:
+            assert link is not None
+            message = entry.message
+            header = dict(message.header, f=entry.index)
+            if acks:
+                header["a"] = acks
+            link.written(message, entry.index, now)
+            return frames.encode(
+                frames.Kind.MESSAGE, header, message.fragments[entry.index], conn.key
+            )
+        if conn.rejects:
+            rejects, conn.rejects = conn.rejects, []
+            header = {"r": rejects}
+            if acks:
+                header["a"] = acks
+            return frames.encode(frames.Kind.REJECT, header, None, conn.key)
+        if acks:
+            return frames.encode(frames.Kind.ACK, {"a": acks}, None, conn.key)
+        return None
+
+    async def _close(self, conn: Connection, reason: str) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._connections.discard(conn)
+        conn.wake.set()
+        log.info("transport: connection with %s closed: %s", conn.peer, reason)
+        with contextlib.suppress(Exception):
+            conn.writer.close()
+        current = asyncio.current_task()
+        for task in conn.tasks:
+            if task is not current:
+                task.cancel()
+        link = conn.link
+        if link is not None and link.connection is conn:
+            link.connection = None
+            if link.has_work():
+                self._connect(link)
+
+    # --- acknowledgements and rejections -----------------------------------------------
+
+    def _on_ack(self, key: tuple[str, bool, int], index: int) -> None:
+        message = self._by_key.get(key)
+        if message is None:
+            return
+        message.acked.add(index)
+        if message.done:
+            del self._by_key[key]
+            self._inflight.pop(message.message_id, None)
+            link = self._links.get(message.address)
+            if link is not None:
+                link.messages.pop(message.message_id, None)
+            self._statuses.pop(message.message_id, None)
+            self._acked_ids.append(message.message_id)
+
+    def _on_reject(self, key: tuple[str, bool, int], reason: str, conn: Connection) -> None:
+        message = self._by_key.get(key)
+        if message is None:
+            return
+        if message.rejected != reason:
+            log.warning(
+                "transport: %s refused message %d of conversation %s: %s",
+                conn.peer,
+                message.seq,
+                message.conversation_id,
+                reason,
+            )
+        message.rejected = reason
+        message.pending = []
+        message.attempts += 1
+        message.due = time.time() + message.backoff
+        message.backoff = min(message.backoff * 2, self.retry_max)
+        self._status(message, f"refused by broker {conn.peer_broker}: {reason}", 1)
+
+    def _status(self, message: Outgoing, status: str, attempts: int) -> None:
+        previous = self._statuses.get(message.message_id)
+        if previous is None or previous[0] != status or attempts:
+            counted = attempts + (previous[1] if previous else 0)
+            self._statuses[message.message_id] = (status, counted)
+            self._dirty_statuses.add(message.message_id)
+
+    def _event(self, kind: str, peer: str | None, detail: str) -> None:
+        self._events.append((time.time(), kind, peer, detail))
+
+    # --- arriving fragments ------------------------------------------------------------
+
+    async def _deliver_loop(self) -> None:
+        assert self._incoming is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._incoming.get()]
+            while len(batch) < DELIVERY_BATCH and not self._incoming.empty():
+                batch.append(self._incoming.get_nowait())
+            fragments = [fragment for fragment, _ in batch]
+            try:
+                outcomes = await loop.run_in_executor(
+                    self._db, self._receiver.accept_batch, fragments
+                )
+            except Exception:  # not acknowledged: the sender will send them again
+                log.warning("transport: storing %d fragments failed", len(batch), exc_info=True)
+                continue
+            for (fragment, conn), outcome in zip(batch, outcomes, strict=True):
+                if outcome is not None:
+                    self._event("MESSAGE_REJECTED", conn.peer, outcome)
+                if conn.closed:
+                    continue  # its acknowledgement is lost with it; the copy will be acked
+                if outcome is None:
+                    conn.acks.append(list(fragment.key))
+                else:
+                    conn.rejects.append([*fragment.key, outcome])
+                conn.wake.set()
+
+    # --- housekeeping ------------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        last_prune = 0.0
+        while True:
+            await asyncio.sleep(TICK)
+            now = time.time()
+            for link in self._links.values():
+                woke = False
+                for message in link.messages.values():
+                    if message.due is not None and message.due <= now and not message.done:
+                        message.attempts += 1
+                        message.rejected = None
+                        message.backoff = min(message.backoff * 2, self.retry_max)
+                        if link.connection is not None:
+                            link.start_round(message, now)
+                            woke = True
+                        else:
+                            message.due = now + message.backoff
+                        self._status(
+                            message,
+                            f"not acknowledged; sent again (attempt {message.attempts + 1})",
+                            1,
+                        )
+                if woke and link.connection is not None:
+                    link.connection.wake.set()
+                if link.has_work() and link.connection is None:
+                    self._connect(link)
+            for conn in list(self._connections):
+                idle = now - conn.last_activity > self.idle_timeout
+                busy = (
+                    conn.link is not None and conn.link.connection is conn and conn.link.has_work()
+                )
+                if idle and not busy and not conn.acks:
+                    await self._close(conn, f"idle for {self.idle_timeout:g} s")
+            await self._flush_writes()
+            if now - last_prune > PRUNE_INTERVAL:
+                last_prune = now
+                await asyncio.get_running_loop().run_in_executor(
+                    self._writes, delivery.prune_closed, self._broker, now
+                )
+
+    async def _flush_writes(self) -> None:
+        """Write what the loop gathered: deletions of acknowledged messages, statuses,
+        events — each in one transaction, off the loop."""
+        loop = asyncio.get_running_loop()
+        acked, self._acked_ids = self._acked_ids, []
+        dirty = {i: self._statuses[i] for i in self._dirty_statuses if i in self._statuses}
+        self._dirty_statuses.clear()
+        events, self._events = self._events, []
+        try:
+            if acked:
+                await loop.run_in_executor(self._writes, delivery.acknowledged, self._broker, acked)
+                with self._known_lock:
+                    self._known.difference_update(acked)
+                self._broker._wakeups.notify({wakeup.TRANSMISSION})  # room in the window
+            if dirty:
+                await loop.run_in_executor(self._writes, delivery.set_statuses, self._broker, dirty)
+            if events:
+                await loop.run_in_executor(
+                    self._writes, delivery.record_events, self._broker, events
+                )
+        except Exception:
+            log.warning("transport: writing to the database failed; trying again", exc_info=True)
+            self._acked_ids[:0] = acked
+            self._events[:0] = events
+
+
+def _transport_key(key: bytes | str) -> bytes:
+    data = key.encode() if isinstance(key, str) else key
+    if not isinstance(data, bytes) or len(data) < 16:
+        raise exceptions.InvalidArgument(
+            "the transport key must be at least 16 bytes (or characters)",
+            hint="e.g. python -c 'import secrets; print(secrets.token_hex(32))'",
+        )
+    return data
+
+
+def _host_port(value: str, what: str) -> tuple[str, int]:
+    """``host:port`` (or ``tcp://host:port``); port 0 picks a free port."""
+    text = value[len("tcp://") :] if value.startswith("tcp://") else value
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise exceptions.InvalidArgument(f"{what} must be host:port, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, ConnectionError) else f"{type(exc).__name__}: {text}"
+
+
+@contextlib.contextmanager
+def running(broker: Broker, **options: Any) -> Iterator[TransportEndpoint]:
+    """A started endpoint for the ``with`` block."""
+    endpoint = TransportEndpoint(broker, **options).start()
+    try:
+        yield endpoint
+    finally:
+        endpoint.stop()
