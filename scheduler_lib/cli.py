@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -11,7 +12,15 @@ import time
 from collections.abc import Sequence
 
 from scheduler_lib import __version__, scheduler
-from scheduler_lib.broker import Broker, BrokerError, activation, engine, schema
+from scheduler_lib.broker import (
+    Broker,
+    BrokerError,
+    InvalidArgument,
+    activation,
+    engine,
+    schema,
+    transport,
+)
 
 DB_ENV = "SCHEDULER_LIB_DB"  # default for --db
 
@@ -76,17 +85,91 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     from scheduler_lib.spark.worker import PROCEDURE as SPARK_PROCEDURE
 
-    with (
-        Broker(args.db) as broker,
+    with contextlib.ExitStack() as stack:
+        broker = stack.enter_context(Broker(args.db))
+        if args.listen is not None:
+            endpoint = stack.enter_context(_transport_endpoint(broker, args))
+            print(
+                f"transport endpoint of broker {endpoint.broker_instance} listening at "
+                f"{endpoint.address}",
+                flush=True,
+            )
         # Spark target queues are served by `scheduler-lib worker` (readers need its session).
-        activation.running(
-            broker, reader_mode=args.readers, skip_procedures={SPARK_PROCEDURE}
-        ) as rt,
-    ):
+        rt = stack.enter_context(
+            activation.running(broker, reader_mode=args.readers, skip_procedures={SPARK_PROCEDURE})
+        )
         print(f"serving {broker.url.render_as_string()} (runtime {rt.runtime_id})", flush=True)
         while not stop.wait(0.5):  # a bounded wait, so the signal handler always gets to run
             pass
     print("stopped", flush=True)
+    return 0
+
+
+def _transport_endpoint(broker: Broker, args: argparse.Namespace) -> transport.TransportEndpoint:
+    """The endpoint ``serve --listen`` runs, from its flags."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    server_ssl = client_ssl = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise InvalidArgument("--tls-cert and --tls-key go together")
+        server_ssl, client_ssl = transport.tls_contexts(args.tls_cert, args.tls_key, args.tls_ca)
+    return transport.TransportEndpoint(
+        broker,
+        key=transport.read_key(args.key_file),
+        listen=args.listen,
+        advertise=args.advertise,
+        server_ssl=server_ssl,
+        client_ssl=client_ssl,
+        retry_initial=args.retry_initial,
+        retry_max=args.retry_max,
+        idle_timeout=args.idle_timeout,
+    )
+
+
+def _routes(args: argparse.Namespace) -> int:
+    """Create, drop and list routes; show the transmission queue and transport events."""
+    with Broker(args.db, timers=False) as broker:
+        if args.action == "create":
+            broker.create_route(
+                args.name, args.service, args.address, broker_instance=args.broker_instance
+            )
+        elif args.action == "drop":
+            broker.drop_route(args.name)
+        print(f"broker instance {broker.broker_instance}")
+        rows: list[tuple[str, ...]] = [("route", "service", "broker instance", "address")]
+        for r in broker.routes():
+            rows.append(
+                (r.route_name, r.remote_service_name, r.broker_instance or "ANY", r.address)
+            )
+        _print_table(rows)
+        outgoing = broker.fetch("outgoing_list", limit=args.limit)
+        if outgoing:
+            print()
+            out: list[tuple[str, ...]] = [
+                ("message", "to service", "seq", "type", "waiting since", "tries", "status")
+            ]
+            for m in outgoing:
+                out.append(
+                    (
+                        str(m["message_id"]),
+                        m["to_service_name"],
+                        str(m["message_sequence_number"]),
+                        m["message_type_name"],
+                        _when(m["enqueued_at"]),
+                        str(m["attempts"]),
+                        m["transmission_status"] or "in flight",
+                    )
+                )
+            _print_table(out)
+        events = broker.fetch("transport_event_list", limit=args.limit)
+        if events:
+            print()
+            ev: list[tuple[str, ...]] = [("when", "event", "peer", "detail")]
+            for e in events:
+                ev.append((_when(e["occurred_at"]), e["event_type"], e["peer"] or "-", e["detail"]))
+            _print_table(ev)
     return 0
 
 
@@ -385,7 +468,53 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run queue monitors and activated readers")
     serve.add_argument("--db", default=db_default, help="SQLAlchemy URL")
     serve.add_argument("--readers", choices=["thread", "process"], default="thread")
+    serve.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="also run the broker-to-broker transport endpoint there (Service Broker: 4022)",
+    )
+    serve.add_argument(
+        "--key-file",
+        help="the transport key shared with the peers (else $SCHEDULER_LIB_TRANSPORT_KEY)",
+    )
+    serve.add_argument("--advertise", metavar="tcp://HOST:PORT", help="where peers reach us")
+    serve.add_argument("--tls-cert", help="TLS certificate (PEM) for the transport")
+    serve.add_argument("--tls-key", help="its private key (PEM)")
+    serve.add_argument("--tls-ca", help="CA (PEM) that peers' certificates must chain to")
+    serve.add_argument(
+        "--retry-initial",
+        type=float,
+        default=transport.endpoint.RETRY_INITIAL,
+        help="seconds before an unacknowledged message is sent again (doubling)",
+    )
+    serve.add_argument(
+        "--retry-max",
+        type=float,
+        default=transport.endpoint.RETRY_MAX,
+        help="cap of the retransmission backoff, in seconds",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=transport.endpoint.IDLE_TIMEOUT,
+        help="seconds without traffic before a connection is closed",
+    )
     serve.set_defaults(run=_serve)
+
+    route = commands.add_parser(
+        "routes", help="routes, the transmission queue and transport events"
+    )
+    route_actions = route.add_subparsers(dest="action")
+    route.add_argument("--db", default=db_default, help="SQLAlchemy URL")
+    route.add_argument("--limit", type=_positive_int, default=20, help="rows of each list")
+    create = route_actions.add_parser("create", help="CREATE ROUTE")
+    create.add_argument("name")
+    create.add_argument("service", help="the remote service")
+    create.add_argument("address", help="tcp://host:port of its broker, or LOCAL")
+    create.add_argument("--broker-instance", help="only that broker")
+    drop = route_actions.add_parser("drop", help="DROP ROUTE")
+    drop.add_argument("name")
+    route.set_defaults(run=_routes)
 
     worker = commands.add_parser(
         "worker", help="a Spark driver whose readers run the tasks of a target queue"

@@ -861,14 +861,19 @@ ORDER BY message_id
 LIMIT :limit;
 
 -- name: outgoing_delete
--- The far broker acknowledged the message: it leaves the transmission queue.
-DELETE FROM transmission_queue WHERE message_id = :message_id AND is_outgoing;
+-- The far broker acknowledged the message: it leaves the transmission queue. Matched on
+-- its sequence number too: SQLite reuses a deleted row's id, and this message may have
+-- gone already (its conversation ended) and another taken the id.
+DELETE FROM transmission_queue
+WHERE message_id = :message_id AND is_outgoing AND conversation_handle = :handle
+AND message_sequence_number = :seq;
 
 -- name: outgoing_set_status
 -- The last outcome of transmitting a message (sys.transmission_queue.transmission_status).
 UPDATE transmission_queue
 SET transmission_status = :status, attempts = attempts + :attempts, last_attempt_at = :now
-WHERE message_id = :message_id AND is_outgoing;
+WHERE message_id = :message_id AND is_outgoing AND conversation_handle = :handle
+AND message_sequence_number = :seq;
 
 -- name: outgoing_list
 -- Outgoing messages with their last error, oldest first.

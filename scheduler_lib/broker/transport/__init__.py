@@ -6,7 +6,9 @@ frames, fragments, piggy-backed acknowledgements, retransmission with backoff)."
 from scheduler_lib.broker.transport.endpoint import (
     ConnectionInfo,
     TransportEndpoint,
+    read_key,
     running,
+    tls_contexts,
 )
 
-__all__ = ["ConnectionInfo", "TransportEndpoint", "running"]
+__all__ = ["ConnectionInfo", "TransportEndpoint", "read_key", "running", "tls_contexts"]

@@ -316,21 +316,23 @@ class Receiver:
 # --- the sending side's writes ---------------------------------------------------------
 
 
-def acknowledged(broker: Broker, message_ids: Iterable[int]) -> None:
-    """The far broker has the messages: they leave the transmission queue."""
-    rows = [{"message_id": i} for i in message_ids]
+def acknowledged(broker: Broker, messages: Iterable[tuple[int, str, int]]) -> None:
+    """The far broker has the messages — (id, sending handle, sequence number) — so
+    they leave the transmission queue."""
+    rows = [{"message_id": i, "handle": h, "seq": s} for i, h, s in messages]
     if rows:
         with broker.transaction() as tx:
             tx._store.execute_many(tx._conn(), "outgoing_delete", rows)
             tx._wrote = True
 
 
-def set_statuses(broker: Broker, statuses: dict[int, tuple[str, int]]) -> None:
-    """Record each message's last transmission outcome (and attempts made since)."""
+def set_statuses(broker: Broker, statuses: Iterable[tuple[int, str, int, str, int]]) -> None:
+    """Record messages' last transmission outcome: (id, sending handle, sequence number,
+    status, attempts made since the last record)."""
     now = time.time()
     rows = [
-        {"message_id": i, "status": status[:1024], "attempts": attempts, "now": now}
-        for i, (status, attempts) in statuses.items()
+        {"message_id": i, "handle": h, "seq": s, "status": status[:1024], "attempts": n, "now": now}
+        for i, h, s, status, n in statuses
     ]
     if rows:
         with broker.transaction() as tx:

@@ -205,7 +205,7 @@ class TransportEndpoint:
         self._connections: set[Connection] = set()
         self._by_key: dict[tuple[str, bool, int], Outgoing] = {}
         self._incoming: asyncio.Queue[tuple[delivery.Fragment, Connection]] | None = None
-        self._acked_ids: list[int] = []
+        self._acked: list[tuple[int, str, int]] = []  # (id, handle, seq) to delete
         self._statuses: dict[int, tuple[str, int]] = {}  # id -> (status, attempts)
         self._dirty_statuses: set[int] = set()  # statuses not written yet
         self._inflight: dict[int, Outgoing] = {}
@@ -332,6 +332,10 @@ class TransportEndpoint:
     ) -> tuple[list[dict[str, Any]], int, float]:
         with self._known_lock:
             room = self.window - len(self._known)
+            if not self._known:
+                # Nothing in flight: read from the start. SQLite reuses the ids of deleted
+                # rows, so a new message may sit below the cursor.
+                cursor = 0
         if room <= 0:
             return [], cursor, last_rescan
         rows = delivery.load_outgoing(
@@ -355,14 +359,22 @@ class TransportEndpoint:
             ]
             self._honor_priority = bool(self._broker.honor_broker_priority())
         routed: list[tuple[dict[str, Any], routes.Route]] = []
-        unrouted: dict[int, tuple[str, int]] = {}
+        unrouted: list[tuple[int, str, int, str, int]] = []
         for row in rows:
             route = self._route(row["to_service_name"])
             if route is None:
                 status = f"no route to service {row['to_service_name']!r}"
                 if self._written_status.get(row["message_id"]) != status:
                     self._written_status[row["message_id"]] = status
-                    unrouted[row["message_id"]] = (status, 0)
+                    unrouted.append(
+                        (
+                            row["message_id"],
+                            row["conversation_handle"],
+                            row["message_sequence_number"],
+                            status,
+                            0,
+                        )
+                    )
             else:
                 routed.append((row, route))
         if unrouted:
@@ -399,6 +411,7 @@ class TransportEndpoint:
                 parts = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
             message = Outgoing(
                 message_id=row["message_id"],
+                handle=row["conversation_handle"],
                 conversation_id=row["conversation_id"],
                 from_initiator=bool(row["is_initiator"]),
                 seq=int(row["message_sequence_number"]),
@@ -734,7 +747,7 @@ class TransportEndpoint:
             if link is not None:
                 link.messages.pop(message.message_id, None)
             self._statuses.pop(message.message_id, None)
-            self._acked_ids.append(message.message_id)
+            self._acked.append((message.message_id, message.handle, message.seq))
 
     def _on_reject(self, key: tuple[str, bool, int], reason: str, conn: Connection) -> None:
         message = self._by_key.get(key)
@@ -839,15 +852,21 @@ class TransportEndpoint:
         """Write what the loop gathered: deletions of acknowledged messages, statuses,
         events — each in one transaction, off the loop."""
         loop = asyncio.get_running_loop()
-        acked, self._acked_ids = self._acked_ids, []
-        dirty = {i: self._statuses[i] for i in self._dirty_statuses if i in self._statuses}
+        acked, self._acked = self._acked, []
+        dirty = []
+        for message_id in self._dirty_statuses:
+            message = self._inflight.get(message_id)
+            if message is not None and message_id in self._statuses:
+                status, attempts = self._statuses[message_id]
+                dirty.append((message_id, message.handle, message.seq, status, attempts))
+                self._statuses[message_id] = (status, 0)  # counted once written
         self._dirty_statuses.clear()
         events, self._events = self._events, []
         try:
             if acked:
                 await loop.run_in_executor(self._writes, delivery.acknowledged, self._broker, acked)
                 with self._known_lock:
-                    self._known.difference_update(acked)
+                    self._known.difference_update(message_id for message_id, _, _ in acked)
                 self._broker._wakeups.notify({wakeup.TRANSMISSION})  # room in the window
             if dirty:
                 await loop.run_in_executor(self._writes, delivery.set_statuses, self._broker, dirty)
@@ -857,7 +876,7 @@ class TransportEndpoint:
                 )
         except Exception:
             log.warning("transport: writing to the database failed; trying again", exc_info=True)
-            self._acked_ids[:0] = acked
+            self._acked[:0] = acked
             self._events[:0] = events
 
 
@@ -883,6 +902,52 @@ def _host_port(value: str, what: str) -> tuple[str, int]:
 def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text if isinstance(exc, ConnectionError) else f"{type(exc).__name__}: {text}"
+
+
+def tls_contexts(
+    cert: str, key: str, ca: str | None = None
+) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """TLS for an endpoint: (for accepted connections, for dialled ones). Each side shows
+    ``cert``; with ``ca`` each also requires and verifies the other's certificate against
+    it (mutual TLS), otherwise the system's trust store verifies the server.
+
+    :raises InvalidArgument: naming the file that cannot be used
+    """
+    try:
+        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+        server.load_cert_chain(cert, key)
+        if ca is not None:
+            server.verify_mode = ssl.CERT_REQUIRED
+        client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+        client.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise exceptions.InvalidArgument(
+            f"TLS files cert={cert!r} key={key!r} ca={ca!r} cannot be used: {exc}"
+        ) from None
+    return server, client
+
+
+def read_key(path: str | None, env: str = "SCHEDULER_LIB_TRANSPORT_KEY") -> bytes:
+    """The transport key from a file (its bytes, trailing newline dropped) or else from the
+    environment variable ``env``.
+
+    :raises InvalidArgument: when neither gives one
+    """
+    import os
+
+    if path is not None:
+        try:
+            with open(path, "rb") as handle:
+                return handle.read().rstrip(b"\r\n")
+        except OSError as exc:
+            raise exceptions.InvalidArgument(f"cannot read the transport key file: {exc}") from None
+    value = os.environ.get(env)
+    if not value:
+        raise exceptions.InvalidArgument(
+            f"a transport endpoint needs a key: --key-file PATH or {env}",
+            hint="every broker that talks to this one must have the same key",
+        )
+    return value.encode()
 
 
 @contextlib.contextmanager

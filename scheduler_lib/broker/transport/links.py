@@ -25,6 +25,7 @@ class Outgoing:
     """A message of the transmission queue that this endpoint is delivering."""
 
     message_id: int
+    handle: str  # the sending endpoint's conversation handle
     conversation_id: str
     from_initiator: bool
     seq: int

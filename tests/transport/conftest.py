@@ -1,0 +1,86 @@
+"""Two brokers (two databases) that talk through their transport endpoints.
+
+Each pair is built once per backend combination: SQLite -> PostgreSQL and PostgreSQL ->
+SQLite. Broker A hosts the initiator service, broker B the target service; each has a
+route to the other's service (through a fault-injecting proxy when a test asks for one).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scheduler_lib.broker import Broker
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "integration"))  # multiproc: poll
+
+KEY = "transport-key-for-the-tests-0123456789"
+REQUEST, REPLY, CONTRACT = "Request", "Reply", "Work"
+INITIATOR, TARGET = "Initiator", "Target"
+INITIATOR_QUEUE, TARGET_QUEUE = "InitiatorQueue", "TargetQueue"
+FAST_RETRY = {"retry_initial": 0.3, "retry_max": 2.0}  # the tests' faults cost less time
+
+
+def make_catalog(broker: Broker, *, initiator: bool, target: bool) -> Broker:
+    """The same message types and contract on every broker; each service on its own."""
+    broker.create_message_type(REQUEST, "NONE")
+    broker.create_message_type(REPLY, "NONE")
+    broker.create_contract(CONTRACT, {REQUEST: "INITIATOR", REPLY: "TARGET"})
+    if initiator:
+        broker.create_queue(INITIATOR_QUEUE)
+        broker.create_service(INITIATOR, INITIATOR_QUEUE)
+    if target:
+        broker.create_queue(TARGET_QUEUE)
+        broker.create_service(TARGET, TARGET_QUEUE, [CONTRACT])
+    return broker
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("sqlite", "postgresql"), marks=pytest.mark.postgres, id="sqlite-to-pg"),
+        pytest.param(("postgresql", "sqlite"), marks=pytest.mark.postgres, id="pg-to-sqlite"),
+    ]
+)
+def pair_urls(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    """URLs of broker A (initiator side) and broker B (target side)."""
+    urls = []
+    for side, backend in zip("ab", request.param, strict=True):
+        if backend == "sqlite":
+            urls.append(f"sqlite:///{tmp_path / f'broker_{side}.db'}")
+        else:
+            urls.append(str(request.getfixturevalue("postgres_url")))
+    return urls[0], urls[1]
+
+
+@pytest.fixture
+def pair(pair_urls: tuple[str, str]) -> Iterator[tuple[Broker, Broker]]:
+    """Broker A with the initiator service, broker B with the target service."""
+    a = make_catalog(Broker(pair_urls[0]), initiator=True, target=False)
+    b = make_catalog(Broker(pair_urls[1]), initiator=False, target=True)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.fixture
+def postgres_url_2(postgres_server: str) -> Iterator[str]:
+    """A second fresh PostgreSQL database, for tests that need two on one backend."""
+    import uuid
+
+    import sqlalchemy as sa
+
+    name = f"scheduler_lib_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield sa.make_url(postgres_server).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()

@@ -1,0 +1,312 @@
+"""The transport's rules one by one: routes, the conversation's life across brokers,
+held messages, priorities, TLS — and bad input on the wire (garbage, a wrong key,
+truncated frames, an unknown service), after which the endpoint keeps serving."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import CONTRACT, FAST_RETRY, INITIATOR, KEY, REPLY, REQUEST, TARGET
+from conftest import INITIATOR_QUEUE as A_QUEUE
+from conftest import TARGET_QUEUE as B_QUEUE
+from multiproc import poll
+
+from scheduler_lib.broker import (
+    Broker,
+    EndpointState,
+    InvalidArgument,
+    Message,
+    ServiceNotFound,
+)
+from scheduler_lib.broker.transport import TransportEndpoint, frames, tls_contexts
+
+OPTIONS = {"key": KEY, "listen": "127.0.0.1:0", **FAST_RETRY}
+
+
+def receive(broker: Broker, queue: str, want: int, timeout: float = 30) -> list[Message]:
+    got: list[Message] = []
+
+    def more() -> bool:
+        with broker.transaction() as tx:
+            got.extend(tx.receive(queue, top=100, timeout=0.2))
+        return len(got) >= want
+
+    poll(more, timeout, f"{want} messages on {queue}", interval=0)
+    return got
+
+
+def events(broker: Broker, kind: str) -> list[str]:
+    rows = broker.fetch("transport_event_list", limit=1000)
+    return [r["detail"] for r in rows if r["event_type"] == kind]
+
+
+def outgoing_status(broker: Broker) -> list[str]:
+    return [r["transmission_status"] for r in broker.fetch("outgoing_list", limit=100)]
+
+
+def address_of(endpoint: TransportEndpoint) -> tuple[str, int]:
+    assert endpoint.address is not None
+    host, port = endpoint.address.removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port)
+
+
+# --- routes and the conversation across brokers -----------------------------------------
+
+
+def test_routes_are_checked_and_a_dialog_needs_one(pair: tuple[Broker, Broker]) -> None:
+    a, _ = pair
+    # Given no route to the target service, BEGIN DIALOG names what is missing
+    with pytest.raises(ServiceNotFound, match="no route"):
+        a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+    # Bad addresses are refused with what was wrong
+    for bad in ("127.0.0.1:4022", "tcp://host", "tcp://host:99999", "http://h:1"):
+        with pytest.raises(InvalidArgument, match="route address"):
+            a.create_route("r", TARGET, bad)
+    route = a.create_route("r", TARGET, "tcp://127.0.0.1:4022")
+    assert a.routes() == [route]
+    assert a.alter_route("r", address="tcp://localhost:4023").address == "tcp://localhost:4023"
+    # With a route, the dialog begins and its messages wait in the transmission queue
+    handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+    a.send(handle, REQUEST, b"x")
+    [row] = a.transmission_queue()
+    assert row["is_outgoing"] and row["to_service_name"] == TARGET
+    a.drop_route("r")
+    assert a.routes() == []
+
+
+def test_conversation_life_across_brokers(pair: tuple[Broker, Broker]) -> None:
+    a, b = pair
+    with TransportEndpoint(a, **OPTIONS) as ea, TransportEndpoint(b, **OPTIONS) as eb:
+        a.create_route("to target", TARGET, eb.address or "")
+        b.create_route("to initiator", INITIATOR, ea.address or "")
+        # Given a dialog from A to B's service
+        handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+        a.send(handle, REQUEST, b"question")
+        # When B receives and answers, and A ends after reading the answer
+        [question] = receive(b, B_QUEUE, 1)
+        far = question.conversation_handle
+        assert b.conversation_endpoint(far).is_remote
+        b.send(far, REPLY, b"answer")
+        [answer] = receive(a, A_QUEUE, 1)
+        assert answer.body == b"answer"
+        assert a.conversation_endpoint(handle).state is EndpointState.CONVERSING
+        a.end_conversation(handle)
+        assert a.conversation_endpoint(handle).state is EndpointState.DISCONNECTED_OUTBOUND
+        # Then B gets EndDialog; when B ends too, both sides close (tombstones remain)
+        [end] = receive(b, B_QUEUE, 1)
+        assert end.message_type_name == "EndDialog"
+        assert b.conversation_endpoint(far).state is EndpointState.DISCONNECTED_INBOUND
+        b.end_conversation(far)
+        assert b.conversation_endpoint(far).state is EndpointState.CLOSED
+        poll(
+            lambda: a.conversation_endpoint(handle).state is EndpointState.CLOSED,
+            30,
+            "A closes when B's EndDialog arrives",
+        )
+        # An error ends the far side in ERROR, with the code and description
+        second = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+        a.send(second, REQUEST, b"q")
+        [q] = receive(b, B_QUEUE, 1)
+        b.end_conversation(q.conversation_handle, error=42, description="no can do")
+        [err] = receive(a, A_QUEUE, 1)
+        assert err.message_type_name == "Error" and err.error == (42, "no can do")
+        assert a.conversation_endpoint(second).state is EndpointState.ERROR
+
+
+def test_a_dialog_ended_before_it_sent_anything_never_reaches_the_far_broker(
+    pair: tuple[Broker, Broker],
+) -> None:
+    a, _ = pair
+    a.create_route("to target", TARGET, "tcp://127.0.0.1:9")
+    handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+    a.end_conversation(handle)
+    assert a.transmission_queue() == []
+    assert a.conversation_endpoint(handle).state is EndpointState.CLOSED
+
+
+def test_messages_for_a_disabled_queue_wait_in_its_transmission_queue(
+    pair: tuple[Broker, Broker],
+) -> None:
+    a, b = pair
+    # Given B's target queue is off
+    b.alter_queue(B_QUEUE, status=False)
+    with TransportEndpoint(a, **OPTIONS), TransportEndpoint(b, **OPTIONS) as eb:
+        a.create_route("to target", TARGET, eb.address or "")
+        handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+        a.send_many(handle, REQUEST, [b"1", b"2"])
+        # When they arrive, they are acknowledged (A lets go) and held on B's side
+        poll(lambda: not a.transmission_queue(), 30, "A's messages acknowledged")
+        held = b.transmission_queue()
+        assert [r["message_body"] for r in held] == [b"1", b"2"]
+        assert not any(r["is_outgoing"] for r in held)
+        # Then turning the queue on delivers them, in order
+        b.alter_queue(B_QUEUE, status=True)
+        got = receive(b, B_QUEUE, 2)
+        assert [m.body for m in got] == [b"1", b"2"]
+
+
+def test_priority_orders_the_transmission_queue_when_honored(pair: tuple[Broker, Broker]) -> None:
+    a, b = pair
+    # Given a low-priority backlog sent before a high-priority one, while B is away
+    a.set_honor_broker_priority(True)
+    a.create_priority("urgent", contract=CONTRACT, local_service=INITIATOR, level=9)
+    with TransportEndpoint(b, **OPTIONS) as eb:
+        address = eb.address or ""
+    a.create_route("to target", TARGET, address)
+    a.alter_priority("urgent", level=1)
+    low = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+    a.alter_priority("urgent", level=9)
+    high = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+    a.send_many(low, REQUEST, [b"low"] * 50)
+    a.send_many(high, REQUEST, [b"high"] * 50)
+    # When both endpoints come up (B on the same port)
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    with (
+        TransportEndpoint(b, **{**OPTIONS, "listen": f"{host}:{port}"}),
+        TransportEndpoint(a, **OPTIONS),
+    ):
+        got = receive(b, B_QUEUE, 100)
+    # Then the high level went first: it arrived first, so B serves it first
+    assert [m.body for m in got[:50]] == [b"high"] * 50
+
+
+# --- bad input on the wire ---------------------------------------------------------------
+
+
+def test_garbage_and_truncated_frames_are_rejected_and_others_still_served(
+    pair: tuple[Broker, Broker],
+) -> None:
+    a, b = pair
+    with TransportEndpoint(b, **OPTIONS) as eb:
+        # Given garbage, a truncated HELLO and a truncated frame after a good HELLO
+        with socket.create_connection(address_of(eb)) as garbage:
+            garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert garbage.recv(100) == b""  # closed on us
+        hello = frames.encode(frames.Kind.HELLO, {"v": 1, "broker": "x", "nonce": "n"}, None, b"k" * 16)
+        with socket.create_connection(address_of(eb)) as truncated:
+            truncated.sendall(hello[:20])
+        with socket.create_connection(address_of(eb)) as wrong_key:
+            wrong_key.sendall(hello)
+            assert wrong_key.recv(100) == b""
+        poll(lambda: len(events(b, "CONNECTION_REJECTED")) >= 2, 10, "rejections recorded")
+        details = " | ".join(events(b, "CONNECTION_REJECTED"))
+        assert "bad magic" in details and "wrong transport key" in details
+        # When a good peer comes after them, it is served
+        with TransportEndpoint(a, **OPTIONS):
+            a.create_route("to target", TARGET, eb.address or "")
+            handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+            a.send(handle, REQUEST, b"still here")
+            [m] = receive(b, B_QUEUE, 1)
+            assert m.body == b"still here"
+
+
+def test_a_peer_with_another_key_cannot_deliver(pair: tuple[Broker, Broker]) -> None:
+    a, b = pair
+    with (
+        TransportEndpoint(b, **OPTIONS) as eb,
+        TransportEndpoint(a, **{**OPTIONS, "key": "another key of sixteen bytes+"}),
+    ):
+        a.create_route("to target", TARGET, eb.address or "")
+        handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+        a.send(handle, REQUEST, b"x")
+        # Then the message stays, its status says why, and B recorded the rejection
+        poll(
+            lambda: any("transport key" in s for s in outgoing_status(a)),
+            30,
+            "the sender's status names the key",
+        )
+        assert b.peek(B_QUEUE) == []
+        poll(lambda: events(b, "CONNECTION_REJECTED"), 10, "B recorded the rejection")
+
+
+def test_an_unknown_service_is_refused_and_the_rest_delivered(pair: tuple[Broker, Broker]) -> None:
+    a, b = pair
+    with TransportEndpoint(a, **OPTIONS), TransportEndpoint(b, **OPTIONS) as eb:
+        a.create_route("to target", TARGET, eb.address or "")
+        a.create_route("to nowhere", "NoSuchService", eb.address or "")
+        lost = a.begin_dialog(INITIATOR, "NoSuchService", CONTRACT)
+        a.send(lost, REQUEST, b"for nobody")
+        good = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+        a.send(good, REQUEST, b"for somebody")
+        [m] = receive(b, B_QUEUE, 1)
+        assert m.body == b"for somebody"
+        poll(
+            lambda: any("'NoSuchService' does not exist" in s for s in outgoing_status(a)),
+            30,
+            "the refusal is the message's status",
+        )
+        assert events(b, "MESSAGE_REJECTED")
+
+
+def test_bad_settings_are_refused_by_name(pair: tuple[Broker, Broker]) -> None:
+    a, _ = pair
+    with pytest.raises(InvalidArgument, match="transport key"):
+        TransportEndpoint(a, key="short")
+    with pytest.raises(InvalidArgument, match="listen"):
+        TransportEndpoint(a, key=KEY, listen="nowhere")
+    with pytest.raises(InvalidArgument, match="retry_max"):
+        TransportEndpoint(a, key=KEY, retry_initial=5, retry_max=1)
+    with TransportEndpoint(a, **OPTIONS) as ea, pytest.raises(Exception, match="cannot start"):
+        TransportEndpoint(a, key=KEY, listen=(ea.address or "").removeprefix("tcp://")).start()
+
+
+# --- TLS ---------------------------------------------------------------------------------
+
+
+def _certificate(directory: Path) -> tuple[str, str]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "scheduler-lib test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(cert_path), str(key_path)
+
+
+def test_tls_between_brokers(pair: tuple[Broker, Broker], tmp_path: Path) -> None:
+    a, b = pair
+    cert, key = _certificate(tmp_path)
+    server, client = tls_contexts(cert, key, ca=cert)
+    tls = {"server_ssl": server, "client_ssl": client}
+    with TransportEndpoint(a, **OPTIONS, **tls), TransportEndpoint(b, **OPTIONS, **tls) as eb:
+        a.create_route("to target", TARGET, eb.address or "")
+        handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+        a.send(handle, REQUEST, b"over TLS")
+        [m] = receive(b, B_QUEUE, 1)
+        assert m.body == b"over TLS"
+        # A plain TCP client gets no further than the TLS handshake
+        with socket.create_connection(address_of(eb), timeout=10) as plain:
+            plain.sendall(frames.encode(frames.Kind.HELLO, {"v": 1}, None, KEY.encode()))
+            assert not plain.recv(100).startswith(frames.MAGIC)
+    with pytest.raises(InvalidArgument, match="cannot be used"):
+        tls_contexts(str(tmp_path / "missing.pem"), key)
