@@ -192,6 +192,9 @@ class ConversationOperations:
             # the target endpoint, after which the rest usually go in one statement.
             sent = [tx._send_checked(handle, message_type, data[0])]
             rest = data[1:]
+            if rest and tx._endpoint(handle).is_remote:
+                # To another broker: one sequence-number update, one batch of inserts.
+                return sent + tx._send_remote_many(handle, message_type, rest)
             following = tx._send_many_fast(handle, message_type, rest) if rest else None
             if following is not None:
                 return sent + list(range(following, following + len(rest)))

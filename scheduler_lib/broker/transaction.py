@@ -69,6 +69,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         self._next_deadline: float | None = None  # soonest timer/lease/park this tx set
         self._catalog_changed = False  # activation runtimes look at the catalog again
         self._transmitted = False  # put messages in the transmission queue: wake the transport
+        self._queue_cache: dict[str, QueueInfo] | None = None  # set by the transport's batches
         self._in_gate = False
 
     # --- lifecycle -------------------------------------------------------------------
@@ -433,27 +434,53 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         self._transmit(endpoint, seq, message_type, data)
         return seq
 
+    def _send_remote_many(
+        self, handle: str, message_type: str, data: list[bytes | None]
+    ) -> list[int]:
+        """The rest of a ``send_many`` to another broker, after its first message went
+        the checked way (so the contract, direction and state are known to be fine)."""
+        validation = self._broker._validation_cache[message_type]
+        for body in data:
+            checks.check_body(message_type, validation, body)
+        endpoint = self._endpoint(handle)
+        first = self._scalar("endpoint_take_send_sequences", handle=handle, n=len(data))
+        if first is None:
+            raise state_error(endpoint, "send on")
+        now = time.time()
+        common = self._outgoing_row(endpoint, message_type, now)
+        self._store.execute_many(
+            self._conn(),
+            "outgoing_insert",
+            [{**common, "seq": int(first) + i, "body": body} for i, body in enumerate(data)],
+        )
+        self._wrote = True
+        self._transmitted = True
+        return list(range(int(first), int(first) + len(data)))
+
+    def _outgoing_row(
+        self, endpoint: ConversationEndpoint, message_type: str, now: float
+    ) -> dict[str, Any]:
+        return {
+            "handle": str(endpoint.conversation_handle),
+            "conversation_id": str(endpoint.conversation_id),
+            "is_initiator": endpoint.is_initiator,
+            "from_service": endpoint.service_name,
+            "to_service": endpoint.far_service_name,
+            "contract": endpoint.contract_name,
+            "message_type": message_type,
+            "priority": endpoint.priority,
+            "lifetime_expires_at": endpoint.lifetime_expires_at,
+            "group_id": str(endpoint.conversation_group_id),
+            "now": now,
+        }
+
     def _transmit(
         self, endpoint: ConversationEndpoint, seq: int, message_type: str, body: bytes | None
     ) -> None:
         """Put message ``seq`` of ``endpoint`` in the transmission queue for its far
         broker; the transport is woken at commit."""
-        self._execute(
-            "outgoing_insert",
-            handle=str(endpoint.conversation_handle),
-            conversation_id=str(endpoint.conversation_id),
-            is_initiator=endpoint.is_initiator,
-            from_service=endpoint.service_name,
-            to_service=endpoint.far_service_name,
-            contract=endpoint.contract_name,
-            seq=seq,
-            message_type=message_type,
-            body=body,
-            priority=endpoint.priority,
-            lifetime_expires_at=endpoint.lifetime_expires_at,
-            group_id=str(endpoint.conversation_group_id),
-            now=time.time(),
-        )
+        row = self._outgoing_row(endpoint, message_type, time.time())
+        self._execute("outgoing_insert", seq=seq, body=body, **row)
         self._wrote = True
         self._transmitted = True
 
@@ -534,7 +561,12 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         ``fair_at`` is its fair-share stamp (0: served in arrival order, ahead of stamped
         messages of its level — system messages and messages put back)."""
         self._wrote = True
-        queue = self._queue(endpoint["queue_name"])
+        if self._queue_cache is None:
+            queue = self._queue(endpoint["queue_name"])
+        else:  # the transport's batch: one read per queue and transaction
+            queue = self._queue_cache.get(endpoint["queue_name"]) or self._queue_cache.setdefault(
+                endpoint["queue_name"], self._queue(endpoint["queue_name"])
+            )
         params = {
             "queue": queue.name,
             "group_id": endpoint["conversation_group_id"],

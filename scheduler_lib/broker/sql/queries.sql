@@ -311,6 +311,15 @@ UPDATE conversation_endpoints SET send_sequence = send_sequence + 1
 WHERE conversation_handle = :handle
 RETURNING send_sequence - 1 AS message_sequence_number;
 
+-- name: endpoint_take_send_sequences
+-- Assign :n sequence numbers at once (SEND of several messages to another broker); the
+-- first comes back, none unless the state allows sending.
+UPDATE conversation_endpoints
+SET send_sequence = send_sequence + :n,
+    state = CASE WHEN state = 'SI' THEN 'CO' ELSE state END
+WHERE conversation_handle = :handle AND state IN ('SO', 'SI', 'CO')
+RETURNING send_sequence - :n AS first_sequence_number;
+
 -- name: endpoint_accept
 -- Accept message number :seq arriving from another broker, exactly once and in order:
 -- no row back means a duplicate (or a gap), and the message is dropped.

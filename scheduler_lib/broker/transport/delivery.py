@@ -73,6 +73,8 @@ class Receiver:
 
     def __init__(self, broker: Broker) -> None:
         self._broker = broker
+        # This batch's endpoints, by (conversation id, side).
+        self._endpoints: dict[tuple[str, bool], ConversationEndpoint] = {}
         self._waiting: set[tuple[str, bool]] = set()
         self._allowed: dict[tuple[str, str], SentBy] = {}  # (contract, type) -> sender
         self._validation: dict[str, Validation] = {}
@@ -92,6 +94,10 @@ class Receiver:
         """
         try:
             with self._broker.transaction() as tx:
+                # Within one transaction the endpoints read stay true but for what this
+                # batch changes itself, which _deliver keeps up to date.
+                self._endpoints = {}
+                tx._queue_cache = {}
                 return [self._accept(tx, f) for f in fragments]
         except Exception:
             if len(fragments) == 1:
@@ -212,10 +218,16 @@ class Receiver:
             return f"message of {len(body)} bytes exceeds this broker's limit"
         handle = str(endpoint.conversation_handle)
         accepted = tx._one("endpoint_accept", handle=handle, seq=seq)
+        key = (str(endpoint.conversation_id), endpoint.is_initiator)
         if accepted is None:
+            self._endpoints.pop(key, None)
             return None  # raced with another delivery of the same number: a duplicate
         tx._wrote = True
         state = endpoint.state
+        if message_type in (END_DIALOG, ERROR) or state is EndpointState.STARTED_OUTBOUND:
+            self._endpoints.pop(key, None)  # its state changes below: read it again
+        else:
+            self._endpoints[key] = dataclasses.replace(endpoint, receive_sequence=seq + 1)
         if message_type in (END_DIALOG, ERROR):
             if state is EndpointState.DISCONNECTED_OUTBOUND:
                 tx._close(endpoint)  # both sides have ended: this one was waiting for it
@@ -239,14 +251,21 @@ class Receiver:
 
     # --- checks and lookups ------------------------------------------------------------
 
-    @staticmethod
     def _endpoint(
-        tx: Transaction, conversation_id: str, is_initiator: bool
+        self, tx: Transaction, conversation_id: str, is_initiator: bool
     ) -> ConversationEndpoint | None:
+        cached = self._endpoints.get((conversation_id, is_initiator))
+        if cached is not None:
+            return cached
         row = tx._one(
             "endpoint_of_conversation", conversation_id=conversation_id, is_initiator=is_initiator
         )
-        return None if row is None else ConversationEndpoint.from_row(row)
+        if row is None:
+            return None
+        endpoint = self._endpoints[(conversation_id, is_initiator)] = ConversationEndpoint.from_row(
+            row
+        )
+        return endpoint
 
     @staticmethod
     def _check_new_conversation(tx: Transaction, f: Fragment) -> str | None:
