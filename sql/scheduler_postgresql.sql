@@ -107,5 +107,13 @@ CREATE INDEX ix_execution_log_airflow ON execution_log (dag_id, run_id, log_id);
 
 UPDATE scheduler_alembic_version SET version_num='s0003' WHERE scheduler_alembic_version.version_num = 's0002';
 
+-- Running upgrade s0003 -> s0004
+
+ALTER TABLE execution_log ADD COLUMN origin_log_id BIGINT;
+
+CREATE UNIQUE INDEX ix_execution_log_origin ON execution_log (scheduler_handle, origin_log_id) WHERE origin_log_id IS NOT NULL;
+
+UPDATE scheduler_alembic_version SET version_num='s0004' WHERE scheduler_alembic_version.version_num = 's0003';
+
 COMMIT;
 

@@ -47,6 +47,10 @@ class Target:
     :param retries: how often a task whose worker died silently is run again before it
         fails (its caller is told either way)
     :param activation: start executors on demand (off: run them yourself)
+    :param address: ``tcp://host:port`` of the broker that hosts this target service,
+        when it is not this one: ``init`` then makes a route to it instead of its queue
+        and service (the other broker runs ``init`` with the target, and both run a
+        transport endpoint, ``scheduler-lib serve --listen``)
     """
 
     service: str = "ServiceAsyncTarget"
@@ -56,6 +60,7 @@ class Target:
     retries: int = 0
     activation: bool = True
     procedure: str = EXECUTOR
+    address: str | None = None
 
 
 def prepare(broker: Broker) -> None:
@@ -67,10 +72,18 @@ def prepare(broker: Broker) -> None:
     broker._scheduler_prepared = True  # type: ignore[attr-defined]
 
 
-def init(broker: Broker, names: Names = Names(), targets: Sequence[Target] = (Target(),)) -> None:
+def init(
+    broker: Broker,
+    names: Names = Names(),
+    targets: Sequence[Target] = (Target(),),
+    *,
+    initiator_address: str | None = None,
+) -> None:
     """Create whatever of the scheduler's catalog is missing and (re)write each target's
     settings. Idempotent: safe to run on every start.
 
+    :param initiator_address: on a broker that hosts targets for initiators on another
+        broker: ``tcp://host:port`` of that broker, for the route the answers take
     :raises InvalidArgument: for a target without kinds, or kinds given as one string
     """
     names = names or Names()
@@ -114,7 +127,23 @@ def init(broker: Broker, names: Names = Names(), targets: Sequence[Target] = (Ta
         _tolerate_race(
             functools.partial(broker.create_service, names.initiator_service, names.initiator_queue)
         )
+    if initiator_address is not None:
+        _route(
+            broker,
+            f"scheduler initiator {names.initiator_service}",
+            names.initiator_service,
+            initiator_address,
+        )
     for target in targets:
+        if target.address is not None:
+            if target.service in services:
+                raise InvalidArgument(
+                    f"target {target.service!r} has an address, but a service of that name "
+                    "exists on this broker (a local service would take its messages)"
+                )
+            _route(broker, f"scheduler target {target.service}", target.service, target.address)
+            _write_target(broker, target, queue="")
+            continue
         settings: dict[str, Any] = {
             "activation_status": target.activation,
             "activation_procedure": target.procedure,
@@ -143,21 +172,34 @@ def init(broker: Broker, names: Names = Names(), targets: Sequence[Target] = (Ta
                 dispositions=(Notify(event=False, callback=LOST_TASK_CALLBACK),),
             ),
         )
-        for attempt in range(3):  # another init may write the same row at the same time
-            try:
-                with broker.transaction() as tx:
-                    tx.run("target_delete", service=target.service)
-                    tx.run(
-                        "target_insert",
-                        service=target.service,
-                        queue=target.queue,
-                        kinds=",".join(dict.fromkeys(target.kinds)),
-                        now=time.time(),
-                    )
-                break
-            except AlreadyExists:
-                if attempt == 2:
-                    raise
+        _write_target(broker, target, queue=target.queue)
+
+
+def _write_target(broker: Broker, target: Target, queue: str) -> None:
+    """A target's row: its queue ('' when on another broker) and the kinds it runs."""
+    for attempt in range(3):  # another init may write the same row at the same time
+        try:
+            with broker.transaction() as tx:
+                tx.run("target_delete", service=target.service)
+                tx.run(
+                    "target_insert",
+                    service=target.service,
+                    queue=queue,
+                    kinds=",".join(dict.fromkeys(target.kinds)),
+                    now=time.time(),
+                )
+            return
+        except AlreadyExists:
+            if attempt == 2:
+                raise
+
+
+def _route(broker: Broker, name: str, service: str, address: str) -> None:
+    """Create or update the route ``name`` (idempotent, as init is)."""
+    if any(r.route_name == name for r in broker.routes()):
+        broker.alter_route(name, service_name=service, address=address)
+    else:
+        _tolerate_race(functools.partial(broker.create_route, name, service, address))
 
 
 def _tolerate_race(create: Callable[[], object]) -> None:

@@ -186,6 +186,7 @@ class TaskScheduler:
             raise InvalidArgument(f"context takes {AIRFLOW_FIELDS}, not {sorted(unknown)}")
         self.context = {k: (context or {}).get(k) for k in AIRFLOW_FIELDS}
         self._kinds: dict[str, frozenset[str]] = {}
+        self._remote: dict[str, bool] = {}  # conversation handle -> target on another broker
 
     # --- the blog's four procedures ---------------------------------------------------
 
@@ -419,6 +420,9 @@ class TaskScheduler:
         wanted = sorted({int(i) for i in log_ids})
         if not wanted:
             return WaveProgress(())
+        if self._is_remote(key):
+            # The tasks ran on another broker: their answers complete this broker's rows.
+            self.drain(key)
         rows = {
             int(r["log_id"]): r
             for r in self.broker.fetch("log_of_tasks", handle=key, first=wanted[0], last=wanted[-1])
@@ -464,12 +468,7 @@ class TaskScheduler:
             # Wait for the next answer (or the far side's end) without polling.
             step = WAVE_WAIT_STEP if left is None else min(left, WAVE_WAIT_STEP)
             try:
-                messages = self.broker.receive(
-                    self.names.initiator_queue,
-                    top=len(progress.pending),
-                    timeout=step,
-                    conversation=key,
-                )
+                messages = self._take_answers(key, len(progress.pending), step)
             except ConversationNotFound:
                 continue  # released meanwhile: the next look says so
             self._end_if_ended(key, messages)
@@ -482,9 +481,7 @@ class TaskScheduler:
         taken = 0
         while True:
             try:
-                messages = self.broker.receive(
-                    self.names.initiator_queue, top=100, timeout=0, conversation=key
-                )
+                messages = self._take_answers(key, 100, 0)
             except ConversationNotFound:
                 return taken
             if not messages:
@@ -627,11 +624,8 @@ class TaskScheduler:
         if handle.ended is not None:
             raise handle.ended
         # Every completion already there in one RECEIVE; the others wait in ``ahead``.
-        messages = self.broker.receive(
-            self.names.initiator_queue,
-            top=max(1, handle.in_flight),
-            timeout=timeout,
-            conversation=handle.conversation_handle,
+        messages = self._take_answers(
+            str(handle.conversation_handle), max(1, handle.in_flight), timeout
         )
         if not messages:
             raise SynchronizationTimeout(
@@ -673,6 +667,50 @@ class TaskScheduler:
             result=None if raw is None else json.loads(raw),
             task_name=handle.names.get(log_id) if log_id is not None else None,
         )
+
+    def _take_answers(self, key: str, top: int, timeout: float | None) -> list[Any]:
+        """RECEIVE the scheduler's messages. An answer from a target on another broker
+        also completes this broker's row of its task, in the same transaction: the row
+        stays the durable answer however the caller waits."""
+        if not self._is_remote(key):
+            return self.broker.receive(
+                self.names.initiator_queue, top=top, timeout=timeout, conversation=key
+            )
+        with self.broker.transaction() as tx:
+            messages = tx.receive(
+                self.names.initiator_queue, top=top, timeout=timeout, conversation=key
+            )
+            for message in messages:
+                if message.message_type_name != self.names.done:
+                    continue
+                done = message.json()
+                if isinstance(done, dict) and done.get("remote") and done.get("log_id") is not None:
+                    tx.run(
+                        "log_complete_from_answer",
+                        log_id=int(done["log_id"]),
+                        handle=key,
+                        status=done["status"],
+                        error=done.get("error"),
+                        result=done.get("result"),
+                        worker=done.get("worker"),
+                        started_at=done.get("started_at"),
+                        ended_at=done.get("ended_at"),
+                        application_id=done.get("application_id"),
+                        job_group=done.get("job_group"),
+                        now=time.time(),
+                    )
+        return messages
+
+    def _is_remote(self, key: str) -> bool:
+        """Whether the scheduler's target is on another broker (fixed per conversation)."""
+        remote = self._remote.get(key)
+        if remote is None:
+            try:
+                remote = self.broker.conversation_endpoint(key).is_remote
+            except ConversationNotFound:
+                return False
+            self._remote[key] = remote
+        return remote
 
     def _allowed(self, service: str) -> frozenset[str]:
         allowed = self._kinds.get(service)

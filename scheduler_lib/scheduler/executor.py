@@ -13,6 +13,7 @@ the queue's poison policy (set by ``init``) runs it again or fails it, and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -101,6 +102,7 @@ class Executor:
         self.spark_application = spark_application
         self._cancels = CancelWatcher.of(broker)
         self._targets: tuple[float, dict[str, frozenset[str]]] | None = None
+        self._remote: dict[str, bool] = {}  # conversation handle -> from another broker
 
     def serve(self, stop: threading.Event | None = None) -> int:
         """Run tasks until idle for ``idle_timeout``, the activation runtime stops, or
@@ -132,15 +134,49 @@ class Executor:
         lease = leases[0]
         started = self._start(lease)
         if started is not None:
-            log_id, task = started
-            self._run(lease, log_id, task)
+            self._run(lease, *started)
         return True
+
+    def _is_remote(self, handle: Any) -> bool:
+        """Whether the scheduler's conversation comes from another broker (its
+        ``execution_log`` row is there, not here). Fixed for a conversation's life."""
+        key = str(handle)
+        remote = self._remote.get(key)
+        if remote is None:
+            try:
+                remote = self.broker.conversation_endpoint(key).is_remote
+            except ConversationNotFound:
+                remote = False
+            if len(self._remote) > 10_000:
+                self._remote.clear()
+            self._remote[key] = remote
+        return remote
+
+    def _copy_row(self, message: Any, payload: Mapping[str, Any], task: Task, origin: int) -> int:
+        """This broker's row for a task sent from another broker (made once)."""
+        with self.broker.transaction() as tx:
+            params = {"handle": str(message.conversation_handle), "origin_log_id": origin}
+            tx.run(
+                "log_insert_copy",
+                caller_id=f"broker {message.service_name}",
+                target=message.service_name,
+                wave=payload.get("wave"),
+                name=task.label[:256],
+                kind=task.kind,
+                body=json.dumps(task.to_dict()),
+                now=time.time(),
+                **params,
+            )
+            row = tx.fetch_one("log_of_origin", **params)
+        assert row is not None
+        return int(row["log_id"])
 
     # --- starting --------------------------------------------------------------------
 
-    def _start(self, lease: Lease) -> tuple[int, Task] | None:
+    def _start(self, lease: Lease) -> tuple[int, Task, Origin | None] | None:
         """End dialogs, refuse what cannot run, record the start (durably). Returns what
-        to run, or ``None`` when it was dealt with here."""
+        to run — this broker's log id, the task, and where it came from when that is
+        another broker — or ``None`` when it was dealt with here."""
         message = lease.message
         handle = message.conversation_handle
         if message.message_type_name in (END_DIALOG, ERROR):
@@ -152,9 +188,12 @@ class Executor:
                     tx.end_conversation(handle)
             return None
         log_id: int | None = None
+        origin: Origin | None = None
         try:
             payload = message.json()
             log_id = int(payload["log_id"])
+            if self._is_remote(handle):
+                origin = Origin(log_id)
             task = as_task(payload["task"], f"task {log_id}")
             get_kind(task.kind)
             allowed = self._allowed(message.service_name)
@@ -169,12 +208,16 @@ class Executor:
             error = _error(exc)
             log.warning("refusing a task from %s: %s", handle, error)
             with self.broker.transaction() as tx:
-                if log_id is not None:
+                if log_id is not None and origin is None:
                     tx.run("log_fail", log_id=log_id, error=error, now=time.time())
-                self._answer(tx, message, log_id, FAILED, error, None)
+                self._answer(tx, message, log_id, FAILED, error, None, origin)
                 tx.complete(lease)
             return None
+        if origin is not None:
+            log_id = self._copy_row(message, payload, task, origin.log_id)
         application, job_group, ui_url = self._spark_at_start(task, log_id)
+        if origin is not None:
+            origin = Origin(origin.log_id, time.time(), application, job_group)
         started = self.broker.run(
             "log_start",
             log_id=log_id,
@@ -191,10 +234,10 @@ class Executor:
                 row = tx.fetch_one("log_get", log_id=log_id)
                 status = row["status"] if row is not None else CANCELLED
                 error = row["error"] if row is not None else "the task's log row is gone"
-                self._answer(tx, message, log_id, status, error, None)
+                self._answer(tx, message, log_id, status, error, None, origin)
                 tx.complete(lease)
             return None
-        return log_id, task
+        return log_id, task, origin
 
     def _spark_at_start(self, task: Task, log_id: int) -> tuple[str | None, str | None, str | None]:
         """(application, job group, UI) recorded with the start: known up front when the
@@ -224,7 +267,7 @@ class Executor:
 
     # --- running ---------------------------------------------------------------------
 
-    def _run(self, lease: Lease, log_id: int, task: Task) -> None:
+    def _run(self, lease: Lease, log_id: int, task: Task, origin: Origin | None) -> None:
         recorded = self._spark_at_start(task, log_id)
 
         def record_spark(
@@ -268,7 +311,7 @@ class Executor:
                 raise next(iter(lost.values()))
             with self.broker.transaction() as tx:
                 tx.run("log_finish", now=time.time(), **finish)
-                self._answer(tx, lease.message, log_id, status, error, encoded)
+                self._answer(tx, lease.message, log_id, status, error, encoded, origin)
                 tx.complete(lease)
         except LeaseLost:
             # It expired meanwhile (the poison policy retried or failed it and told the
@@ -295,7 +338,12 @@ class Executor:
         status: str,
         error: str | None,
         result: str | None,
+        origin: Origin | None = None,
     ) -> None:
+        extra = None
+        if origin is not None:  # the initiator completes its own row from the answer
+            log_id = origin.log_id
+            extra = origin.answer(self.worker())
         answer(
             tx,
             message.conversation_handle,
@@ -304,6 +352,7 @@ class Executor:
             status,
             error,
             result,
+            extra,
         )
 
 
@@ -315,11 +364,15 @@ def answer(
     status: str,
     error: str | None,
     result: str | None,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Send ``AsyncDone`` (the contract's target-sent type) on the scheduler's
-    conversation; a scheduler that was released meanwhile is not an error."""
+    conversation; a scheduler that was released meanwhile is not an error. ``extra``
+    goes with it for an initiator on another broker (who ran it, when)."""
     done = _done_type(tx, contract)
-    body = json.dumps({"log_id": log_id, "status": status, "error": error, "result": result})
+    body = json.dumps(
+        {"log_id": log_id, "status": status, "error": error, "result": result, **(extra or {})}
+    )
     try:  # these are raised by the broker's own checks: the transaction stays usable
         tx.send(handle, done, body)
     except (ConversationNotFound, ConversationStateError):
@@ -421,7 +474,16 @@ def report_lost_task(event: PoisonEvent) -> None:
         f"the task's worker stopped without an answer "
         f"({event.failures} time(s)): {event.last_error or 'unknown'}"
     )
-    if log_id is not None:
+    extra = None
+    if log_id is not None and tx.conversation_endpoint(message.conversation_handle).is_remote:
+        # Sent from another broker: this broker's row is its copy; the answer says it all.
+        copy = tx.fetch_one(
+            "log_of_origin", handle=str(message.conversation_handle), origin_log_id=log_id
+        )
+        if copy is not None:
+            tx.run("log_fail", log_id=copy["log_id"], error=error, now=time.time())
+        extra = {"remote": True, "ended_at": time.time()}
+    elif log_id is not None:
         tx.run("log_fail", log_id=log_id, error=error, now=time.time())
     answer(
         tx,
@@ -431,7 +493,29 @@ def report_lost_task(event: PoisonEvent) -> None:
         FAILED,
         error,
         None,
+        extra,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """A task sent from another broker: the initiator's log id and what its row will
+    need from the answer."""
+
+    log_id: int
+    started_at: float | None = None
+    application_id: str | None = None
+    job_group: str | None = None
+
+    def answer(self, worker: str) -> dict[str, Any]:
+        return {
+            "remote": True,
+            "worker": worker,
+            "started_at": self.started_at,
+            "ended_at": time.time(),
+            "application_id": self.application_id,
+            "job_group": self.job_group,
+        }
 
 
 def worker_id() -> str:

@@ -29,6 +29,31 @@ INSERT INTO execution_log (
 )
 RETURNING log_id;
 
+-- name: log_insert_copy
+-- A task sent from another broker: this broker's row for its run (origin_log_id is the
+-- initiator's log id); a copy already made for it (a redelivery) is kept.
+INSERT INTO execution_log (
+    caller_id, scheduler_handle, target_service, wave, task_name, task_kind, task_body,
+    sent_at, start_time, status, attempts, origin_log_id
+) VALUES (
+    :caller_id, :handle, :target, :wave, :name, :kind, :body, :now, :now, 'QUEUED', 0,
+    :origin_log_id
+)
+ON CONFLICT DO NOTHING;
+
+-- name: log_of_origin
+-- This broker's row of a task sent from another broker.
+SELECT * FROM execution_log WHERE scheduler_handle = :handle AND origin_log_id = :origin_log_id;
+
+-- name: log_complete_from_answer
+-- The initiator's row of a task that ran on another broker, from its AsyncDone.
+UPDATE execution_log
+SET status = :status, error = :error, result = :result, worker_id = :worker,
+    start_time = coalesce(:started_at, start_time), end_time = coalesce(:ended_at, :now),
+    spark_application_id = :application_id, spark_job_group = :job_group,
+    attempts = attempts + 1
+WHERE log_id = :log_id AND scheduler_handle = :handle AND end_time IS NULL;
+
 -- name: log_start
 -- The executor starts the task (or, after its worker died, starts it again): who and
 -- when. No row changed: the task was cancelled (or already ended) meanwhile.
