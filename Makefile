@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) -m bench.priority_throughput
 	$(PY) -m bench.activation_latency
 	$(PY) -m bench.scheduler_loop
+	$(PY) -m bench.transport
 	$(PY) -m bench.spark_overhead
 	$(PY) -m bench.airflow_waves
 

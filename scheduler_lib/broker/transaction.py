@@ -532,21 +532,6 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             row, str(endpoint.conversation_handle), seq, message_type, body, fair_at=fair_at
         )
 
-    def _deliver(
-        self, far: ConversationEndpoint, seq: int, message_type: str, body: bytes | None
-    ) -> bool:
-        """Accept message ``seq`` arriving for endpoint ``far`` from another broker:
-        exactly once, in order (the transport's entry point).
-
-        :return: ``False`` when it was a duplicate (or out of order) and was dropped
-        """
-        self._wrote = True
-        accepted = self._one("endpoint_accept", handle=str(far.conversation_handle), seq=seq)
-        if accepted is None:
-            return False
-        self._enqueue(accepted, str(far.conversation_handle), seq, message_type, body)
-        return True
-
     def _enqueue(
         self,
         endpoint: Row,

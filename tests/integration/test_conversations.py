@@ -30,6 +30,7 @@ from scheduler_lib.broker import (
     QueueDisabled,
     TransactionError,
 )
+from scheduler_lib.broker.transport import delivery
 
 INITIATOR = "InitiatorService"
 TARGET = "TargetService"
@@ -265,7 +266,9 @@ def test_many_sends_arrive_exactly_once_in_order(scheduler_catalog: Broker) -> N
     assert broker.receive(TQ, timeout=0) == []
 
 
-def test_duplicate_delivery_is_dropped(scheduler_catalog: Broker) -> None:
+def test_arrivals_from_another_broker_are_delivered_once_and_in_order(
+    scheduler_catalog: Broker,
+) -> None:
     broker = scheduler_catalog
     # Given a target endpoint with nothing waiting on its queue
     handle = begin(broker)
@@ -273,16 +276,38 @@ def test_duplicate_delivery_is_dropped(scheduler_catalog: Broker) -> None:
     assert len(broker.receive(TQ, timeout=DEADLINE)) == 1
     far = far_endpoint(broker, handle)
     seq = far.receive_sequence
-    # When the transport delivers the same sequence number twice (and a gap after it)
-    with broker.transaction() as tx:
-        first = tx._deliver(far, seq, "AsyncSent", b"remote")
-        again = tx._deliver(far, seq, "AsyncSent", b"remote")
-        gap = tx._deliver(far, seq + 5, "AsyncSent", b"later")
-    # Then the first is accepted, the duplicate and the gap are dropped
-    assert (first, again, gap) == (True, False, False)
+    receiver = delivery.Receiver(broker)
+
+    def arrival(n: int, body: bytes) -> delivery.Fragment:
+        return delivery.Fragment(
+            conversation_id=str(far.conversation_id),
+            from_initiator=True,
+            seq=n,
+            index=0,
+            count=1,
+            from_service=far.far_service_name,
+            to_service=far.service_name,
+            contract=far.contract_name,
+            message_type="AsyncSent",
+            body=body,
+        )
+
+    # When the transport brings a message, a copy of it, and one that overtook its
+    # predecessor — then the predecessor
+    outcomes = receiver.accept_batch(
+        [arrival(seq, b"a"), arrival(seq, b"a"), arrival(seq + 2, b"c")]
+    )
+    assert outcomes == [None, None, None]  # all acknowledged: stored or known
+    assert [m.body for m in broker.peek(TQ)] == [b"a"]  # the early one is held back
+    assert receiver.accept_batch([arrival(seq + 1, b"b")]) == [None]
+    # Then each is on the queue once, in sequence order
     queued = broker.peek(TQ)
-    assert [(m.message_sequence_number, m.body) for m in queued] == [(seq, b"remote")]
-    assert broker.conversation_endpoint(far.conversation_handle).receive_sequence == seq + 1
+    assert [(m.message_sequence_number, m.body) for m in queued] == [
+        (seq, b"a"),
+        (seq + 1, b"b"),
+        (seq + 2, b"c"),
+    ]
+    assert broker.conversation_endpoint(far.conversation_handle).receive_sequence == seq + 3
 
 
 def test_receive_filters_and_get_conversation_group(scheduler_catalog: Broker) -> None:

@@ -186,7 +186,9 @@ def test_garbage_and_truncated_frames_are_rejected_and_others_still_served(
         with socket.create_connection(address_of(eb)) as garbage:
             garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             assert garbage.recv(100) == b""  # closed on us
-        hello = frames.encode(frames.Kind.HELLO, {"v": 1, "broker": "x", "nonce": "n"}, None, b"k" * 16)
+        hello = frames.encode(
+            frames.Kind.HELLO, {"v": 1, "broker": "x", "nonce": "n"}, None, b"k" * 16
+        )
         with socket.create_connection(address_of(eb)) as truncated:
             truncated.sendall(hello[:20])
         with socket.create_connection(address_of(eb)) as wrong_key:

@@ -325,7 +325,7 @@ RETURNING send_sequence - :n AS first_sequence_number;
 -- no row back means a duplicate (or a gap), and the message is dropped.
 UPDATE conversation_endpoints
 SET receive_sequence = receive_sequence + 1
-WHERE conversation_handle = :handle AND receive_sequence = :seq
+WHERE conversation_handle = :handle AND receive_sequence = :seq AND state <> 'CD'
 RETURNING queue_name, conversation_group_id, priority, service_name, contract_name;
 
 -- name: endpoint_set_state

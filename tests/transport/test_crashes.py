@@ -1,0 +1,156 @@
+"""Either broker's process killed with SIGKILL mid-run and restarted: nothing lost, nothing
+duplicated. The endpoints run as real ``scheduler-lib serve --listen`` processes behind
+a faulty proxy; the test process sends into broker A's database while they run."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+from conftest import CONTRACT, INITIATOR, KEY, REQUEST, TARGET
+from conftest import TARGET_QUEUE as B_QUEUE
+from faultproxy import FaultProxy, Faults
+from multiproc import Output, poll
+
+from scheduler_lib.broker import Broker
+
+CONVERSATIONS = 20
+PER_CONVERSATION = 100  # 2,000 messages, sent while the processes are killed
+FAULTS = Faults(drop=0.01, duplicate=0.01, reorder=0.01, corrupt=0.005, delay=0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Serve:
+    """``scheduler-lib serve --listen`` in a process of its own, restartable."""
+
+    def __init__(self, url: str, port: int, advertise: str) -> None:
+        self.args = [
+            sys.executable,
+            "-m",
+            "scheduler_lib.cli",
+            "serve",
+            "--db",
+            url,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--advertise",
+            advertise,
+            "--retry-initial",
+            "0.3",
+            "--retry-max",
+            "2",
+        ]
+        self.process: subprocess.Popen[str] | None = None
+        self.output: Output | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "SCHEDULER_LIB_TRANSPORT_KEY": KEY}
+        self.process = subprocess.Popen(
+            self.args,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        output = self.output = Output(self.process.stdout)
+        poll(lambda: output.has("listening at") or self.process.poll() is not None, 60, "serve")
+        assert self.process.poll() is None, output.tail()
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def serving(
+    pair: tuple[Broker, Broker], pair_urls: tuple[str, str]
+) -> Iterator[tuple[Serve, Serve]]:
+    a, b = pair
+    port_a, port_b = free_port(), free_port()
+    with (
+        FaultProxy(("127.0.0.1", port_b), FAULTS, seed=3) as to_b,
+        FaultProxy(("127.0.0.1", port_a), FAULTS, seed=4) as to_a,
+    ):
+        a.create_route("to target", TARGET, to_b.address)
+        b.create_route("to initiator", INITIATOR, to_a.address)
+        serve_a = Serve(pair_urls[0], port_a, to_a.address)
+        serve_b = Serve(pair_urls[1], port_b, to_b.address)
+        try:
+            serve_a.start()
+            serve_b.start()
+            yield serve_a, serve_b
+        finally:
+            serve_a.stop()
+            serve_b.stop()
+
+
+@pytest.mark.slow
+def test_killing_either_broker_mid_run_loses_and_duplicates_nothing(
+    pair: tuple[Broker, Broker], serving: tuple[Serve, Serve]
+) -> None:
+    a, b = pair
+    serve_a, serve_b = serving
+    total = CONVERSATIONS * PER_CONVERSATION
+    handles = [a.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(CONVERSATIONS)]
+    failures: list[BaseException] = []
+
+    def send() -> None:  # ten messages per conversation at a time, round after round
+        try:
+            for start in range(0, PER_CONVERSATION, 10):
+                for n, handle in enumerate(handles):
+                    a.send_many(handle, REQUEST, [f"{n}:{i}" for i in range(start, start + 10)])
+        except BaseException as exc:
+            failures.append(exc)
+
+    def arrived() -> int:
+        return len(b.peek(B_QUEUE))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    # Given messages flowing, when A's process is killed and restarted
+    poll(lambda: arrived() >= total // 4, 120, "a quarter arrived")
+    serve_a.kill()
+    assert arrived() < total  # killed mid-run, not after it
+    serve_a.start()
+    # ... and then B's
+    poll(lambda: arrived() >= total // 2, 120, "half arrived")
+    serve_b.kill()
+    assert arrived() < total
+    serve_b.start()
+    sender.join(timeout=120)
+    assert not failures, failures
+    # Then every message arrives exactly once, in order per conversation
+    poll(lambda: arrived() >= total, 180, f"all {total} arrived")
+    poll(lambda: not a.transmission_queue(), 60, "A's transmission queue empties")
+    messages = b.peek(B_QUEUE)
+    assert len(messages) == total
+    by_conversation: dict[str, list[str]] = collections.defaultdict(list)
+    for m in messages:  # peek lists each conversation in sequence order
+        by_conversation[str(m.conversation_handle)].append((m.body or b"").decode())
+    assert len(by_conversation) == CONVERSATIONS
+    for bodies in by_conversation.values():
+        n = bodies[0].split(":")[0]
+        assert bodies == [f"{n}:{i}" for i in range(PER_CONVERSATION)]
