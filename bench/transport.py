@@ -151,17 +151,17 @@ def latency(
 ) -> list[float]:
     handle = sender.begin_dialog("Initiator", service, "Work")
     ms: list[float] = []
+
+    def wait(box: dict[str, float], ready: threading.Event) -> None:
+        ready.set()
+        with receiver.transaction() as tx:
+            if tx.receive(queue, timeout=5):
+                box["at"] = time.monotonic()
+
     for _ in range(samples):
         box: dict[str, float] = {}
         ready = threading.Event()
-
-        def wait() -> None:
-            ready.set()
-            with receiver.transaction() as tx:
-                if tx.receive(queue, timeout=5):
-                    box["at"] = time.monotonic()
-
-        thread = threading.Thread(target=wait)
+        thread = threading.Thread(target=wait, args=(box, ready))
         thread.start()
         ready.wait()
         time.sleep(0.02)  # the receiver is inside its WAITFOR
