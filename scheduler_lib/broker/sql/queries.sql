@@ -328,6 +328,13 @@ SET receive_sequence = receive_sequence + 1
 WHERE conversation_handle = :handle AND receive_sequence = :seq AND state <> 'CD'
 RETURNING queue_name, conversation_group_id, priority, service_name, contract_name;
 
+-- name: endpoint_accept_run
+-- Accept :n messages from :seq on at once (they arrived whole and in order).
+UPDATE conversation_endpoints
+SET receive_sequence = receive_sequence + :n
+WHERE conversation_handle = :handle AND receive_sequence = :seq AND state IN ('SI', 'CO')
+RETURNING queue_name, conversation_group_id, priority, service_name, contract_name;
+
 -- name: endpoint_set_state
 -- Move an endpoint to a state.
 UPDATE conversation_endpoints SET state = :state WHERE conversation_handle = :handle;
