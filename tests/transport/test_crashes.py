@@ -21,8 +21,8 @@ from multiproc import Output, poll
 
 from scheduler_lib.broker import Broker
 
-CONVERSATIONS = 20
-PER_CONVERSATION = 100  # 2,000 messages, sent while the processes are killed
+CONVERSATIONS = 100
+PER_CONVERSATION = 100  # 10,000 messages, sent while the processes are killed
 FAULTS = Faults(drop=0.01, duplicate=0.01, reorder=0.01, corrupt=0.005, delay=0.01)
 
 

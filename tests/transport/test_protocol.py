@@ -312,3 +312,37 @@ def test_tls_between_brokers(pair: tuple[Broker, Broker], tmp_path: Path) -> Non
             assert not plain.recv(100).startswith(frames.MAGIC)
     with pytest.raises(InvalidArgument, match="cannot be used"):
         tls_contexts(str(tmp_path / "missing.pem"), key)
+
+
+# --- connections ---------------------------------------------------------------------------
+
+
+def test_one_connection_per_peer_closed_when_idle_and_reopened_on_demand(
+    pair: tuple[Broker, Broker],
+) -> None:
+    a, b = pair
+    idle = {**OPTIONS, "idle_timeout": 0.5}
+    with TransportEndpoint(a, **idle) as ea, TransportEndpoint(b, **idle) as eb:
+        a.create_route("to target", TARGET, eb.address or "")
+        b.create_route("to initiator", INITIATOR, ea.address or "")
+        # Given a conversation in both directions
+        handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+        a.send(handle, REQUEST, b"q")
+        [q] = receive(b, B_QUEUE, 1)
+        b.send(q.conversation_handle, REPLY, b"a")
+        receive(a, A_QUEUE, 1)
+        # Then both directions used one connection: B sent on the one A dialled
+        [outbound] = ea.connections()
+        [inbound] = eb.connections()
+        assert (outbound.direction, inbound.direction) == ("outbound", "inbound")
+        assert outbound.carries_messages and inbound.carries_messages
+        assert outbound.peer_broker == b.broker_instance
+        assert inbound.peer_broker == a.broker_instance
+        assert outbound.frames_sent >= 1 and inbound.frames_sent >= 1
+        # When nothing moves for longer than the idle timeout, it is closed
+        poll(lambda: not ea.connections() and not eb.connections(), 10, "idle close")
+        # And the next message opens a new one
+        a.send(handle, REQUEST, b"again")
+        [again] = receive(b, B_QUEUE, 1)
+        assert again.body == b"again"
+        assert len(ea.connections()) == 1
