@@ -346,3 +346,77 @@ def test_one_connection_per_peer_closed_when_idle_and_reopened_on_demand(
         [again] = receive(b, B_QUEUE, 1)
         assert again.body == b"again"
         assert len(ea.connections()) == 1
+
+
+def _handshake(endpoint: TransportEndpoint) -> tuple[socket.socket, bytes]:
+    """A hand-made peer: HELLO with the right key; returns the socket and session key."""
+    sock = socket.create_connection(address_of(endpoint), timeout=10)
+    hello = {"v": 1, "broker": "a-hand-made-peer", "nonce": "n1", "listen": None}
+    sock.sendall(frames.encode(frames.Kind.HELLO, hello, None, KEY.encode()))
+    welcome = _read_frame(sock, KEY.encode())
+    assert welcome.kind is frames.Kind.WELCOME
+    return sock, frames.session_key(KEY.encode(), "n1", welcome.header["nonce"])
+
+
+def _read_frame(sock: socket.socket, key: bytes) -> frames.Frame:
+    import asyncio
+
+    async def parse(data: bytes) -> frames.Frame:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await frames.read(reader, key)
+
+    data = b""
+    while True:  # read what has come, then parse it as the endpoint does
+        try:
+            return asyncio.run(parse(data))
+        except asyncio.IncompleteReadError:
+            chunk = sock.recv(65536)
+            assert chunk, "the endpoint closed the connection"
+            data += chunk
+
+
+def test_a_partial_message_is_never_receivable(pair: tuple[Broker, Broker]) -> None:
+    _, b = pair
+    conversation = "3f1b4a5e-0c1d-4e2f-8a9b-0c1d2e3f4a5b"
+
+    def fragment(index: int, session: bytes) -> bytes:
+        header = {
+            "c": conversation,
+            "i": 1,
+            "s": 0,
+            "f": index,
+            "n": 2,
+            "fs": INITIATOR,
+            "ts": TARGET,
+            "ct": CONTRACT,
+            "mt": REQUEST,
+            "lt": None,
+        }
+        return frames.encode(frames.Kind.MESSAGE, header, b"half%d" % index, session)
+
+    with TransportEndpoint(b, **OPTIONS) as eb:
+        # Given a peer that sends the first of two fragments, then half a frame, and goes
+        sock, session = _handshake(eb)
+        with sock:
+            sock.sendall(fragment(0, session))
+            ack = _read_frame(sock, session)
+            assert ack.kind is frames.Kind.ACK and ack.header["a"] == [[conversation, 1, 0, 0]]
+            sock.sendall(fragment(1, session)[:30])  # truncated: never completes
+        # Then nothing is receivable: the fragment waits, stored (it was acknowledged)
+        assert b.peek(B_QUEUE) == []
+        waiting = [
+            (r["conversation_id"], bool(r["is_initiator"])) for r in b.fetch("fragments_waiting")
+        ]
+        assert waiting == [(conversation, True)]
+        # When the second fragment arrives whole on a new connection
+        sock, session = _handshake(eb)
+        with sock:
+            sock.sendall(fragment(1, session))
+            ack = _read_frame(sock, session)
+            assert ack.header["a"] == [[conversation, 1, 0, 1]]
+        # Then the message is receivable, whole
+        [m] = receive(b, B_QUEUE, 1)
+        assert m.body == b"half0half1"
+        assert b.fetch("fragments_waiting") == []
