@@ -4,6 +4,7 @@ truncated frames, an unknown service), after which the endpoint keeps serving.""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import socket
@@ -348,29 +349,39 @@ def test_one_connection_per_peer_closed_when_idle_and_reopened_on_demand(
         assert len(ea.connections()) == 1
 
 
-def _handshake(endpoint: TransportEndpoint) -> tuple[socket.socket, bytes]:
-    """A hand-made peer: HELLO with the right key; returns the socket and session key."""
+def _handshake(endpoint: TransportEndpoint) -> tuple[socket.socket, bytes, bytes]:
+    """A hand-made peer: HELLO with the right key; returns the socket and the session
+    keys it sends and reads with."""
     sock = socket.create_connection(address_of(endpoint), timeout=10)
     hello = {"v": 1, "broker": "a-hand-made-peer", "nonce": "n1", "listen": None}
     sock.sendall(frames.encode(frames.Kind.HELLO, hello, None, KEY.encode()))
     welcome = _read_frame(sock, KEY.encode())
     assert welcome.kind is frames.Kind.WELCOME
-    return sock, frames.session_key(KEY.encode(), "n1", welcome.header["nonce"])
+    nonce = welcome.header["nonce"]
+    return (
+        sock,
+        frames.session_key(KEY.encode(), "n1", nonce, "out"),
+        frames.session_key(KEY.encode(), "n1", nonce, "in"),
+    )
 
 
-def _read_frame(sock: socket.socket, key: bytes) -> frames.Frame:
-    import asyncio
+def _parse(data: bytes, key: bytes) -> frames.Frame:
+    """Parse bytes as the endpoint does."""
 
-    async def parse(data: bytes) -> frames.Frame:
+    async def parse() -> frames.Frame:
         reader = asyncio.StreamReader()
         reader.feed_data(data)
         reader.feed_eof()
         return await frames.read(reader, key)
 
+    return asyncio.run(parse())
+
+
+def _read_frame(sock: socket.socket, key: bytes) -> frames.Frame:
     data = b""
-    while True:  # read what has come, then parse it as the endpoint does
+    while True:  # read what has come, then parse it
         try:
-            return asyncio.run(parse(data))
+            return _parse(data, key)
         except asyncio.IncompleteReadError:
             chunk = sock.recv(65536)
             assert chunk, "the endpoint closed the connection"
@@ -398,12 +409,15 @@ def test_a_partial_message_is_never_receivable(pair: tuple[Broker, Broker]) -> N
 
     with TransportEndpoint(b, **OPTIONS) as eb:
         # Given a peer that sends the first of two fragments, then half a frame, and goes
-        sock, session = _handshake(eb)
+        sock, send, read = _handshake(eb)
         with sock:
-            sock.sendall(fragment(0, session))
-            ack = _read_frame(sock, session)
+            sock.sendall(fragment(0, send))
+            # Each direction has its own key: a frame reflected to its sender does not verify
+            with pytest.raises(frames.CorruptFrame):
+                _parse(fragment(0, send), read)
+            ack = _read_frame(sock, read)
             assert ack.kind is frames.Kind.ACK and ack.header["a"] == [[conversation, 1, 0, 0]]
-            sock.sendall(fragment(1, session)[:30])  # truncated: never completes
+            sock.sendall(fragment(1, send)[:30])  # truncated: never completes
         # Then nothing is receivable: the fragment waits, stored (it was acknowledged)
         assert b.peek(B_QUEUE) == []
         waiting = [
@@ -411,10 +425,10 @@ def test_a_partial_message_is_never_receivable(pair: tuple[Broker, Broker]) -> N
         ]
         assert waiting == [(conversation, True)]
         # When the second fragment arrives whole on a new connection
-        sock, session = _handshake(eb)
+        sock, send, read = _handshake(eb)
         with sock:
-            sock.sendall(fragment(1, session))
-            ack = _read_frame(sock, session)
+            sock.sendall(fragment(1, send))
+            ack = _read_frame(sock, read)
             assert ack.header["a"] == [[conversation, 1, 0, 1]]
         # Then the message is receivable, whole
         [m] = receive(b, B_QUEUE, 1)

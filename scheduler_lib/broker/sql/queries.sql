@@ -212,7 +212,8 @@ WHERE conversation_group_id IN (
 
 -- name: service_move_held
 -- ... and what waits for it in the transmission queue.
-UPDATE transmission_queue SET to_queue_name = :queue WHERE to_service_name = :name;
+UPDATE transmission_queue SET to_queue_name = :queue
+WHERE to_service_name = :name AND NOT is_outgoing;
 
 -- name: service_delete
 -- Drop a service.
@@ -326,14 +327,14 @@ RETURNING send_sequence - :n AS first_sequence_number;
 UPDATE conversation_endpoints
 SET receive_sequence = receive_sequence + 1
 WHERE conversation_handle = :handle AND receive_sequence = :seq AND state <> 'CD'
-RETURNING queue_name, conversation_group_id, priority, service_name, contract_name;
+RETURNING queue_name, conversation_group_id, priority, service_name, contract_name, state;
 
 -- name: endpoint_accept_run
 -- Accept :n messages from :seq on at once (they arrived whole and in order).
 UPDATE conversation_endpoints
 SET receive_sequence = receive_sequence + :n
 WHERE conversation_handle = :handle AND receive_sequence = :seq AND state IN ('SI', 'CO')
-RETURNING queue_name, conversation_group_id, priority, service_name, contract_name;
+RETURNING queue_name, conversation_group_id, priority, service_name, contract_name, state;
 
 -- name: endpoint_set_state
 -- Move an endpoint to a state.
@@ -392,15 +393,23 @@ INSERT INTO queue_messages (
 SELECT to_queue_name, conversation_group_id, conversation_handle, message_sequence_number,
     message_type_name, message_body, priority, 1, to_service_name, service_contract_name,
     enqueued_at, fair_at
-FROM transmission_queue WHERE to_queue_name = :queue ORDER BY message_id;
+FROM transmission_queue WHERE to_queue_name = :queue AND NOT is_outgoing ORDER BY message_id;
 
 -- name: transmission_delete_queue
 -- ... and leave the transmission queue.
-DELETE FROM transmission_queue WHERE to_queue_name = :queue;
+DELETE FROM transmission_queue WHERE to_queue_name = :queue AND NOT is_outgoing;
 
 -- name: transmission_delete_conversation
 -- Ending or cleaning up a conversation drops what it still had in transit.
 DELETE FROM transmission_queue WHERE conversation_handle = :handle;
+
+-- name: outgoing_present
+-- The ids and sequence numbers of outgoing messages up to the cursor (the transmitter
+-- forgets what it holds in memory that is gone: its conversation was cleaned up).
+SELECT message_id, conversation_handle, message_sequence_number FROM transmission_queue
+WHERE is_outgoing AND message_id <= :upto
+ORDER BY message_id
+LIMIT :limit;
 
 -- name: transmission_delete_held
 -- END CONVERSATION of a remote conversation: the messages held for this endpoint go, its

@@ -52,7 +52,11 @@ RESCAN_INTERVAL = 2.0  # seconds; look behind the cursor for messages committed 
 LOAD_POLL_INTERVAL = 0.5  # seconds; the loader looks even without a wakeup
 STARVATION_AFTER = 10.0  # seconds a fragment waits before it goes regardless of priority
 DELIVERY_BATCH = 500  # arriving fragments stored per transaction at most
-ACKS_PER_FRAME = 2000  # acknowledgements carried by one frame at most
+ACKS_PER_FRAME = 500  # acknowledgements per frame (about 60 bytes each; headers < 64 KiB)
+REJECTS_PER_FRAME = 100  # refusals per frame (reasons cut to REJECT_REASON_MAX characters)
+REJECT_REASON_MAX = 300
+INCOMING_MAX = 5000  # fragments waiting to be stored before readers stop reading
+HANDSHAKE_MAX_BODY = 0  # a HELLO has no body: a large one is not a peer
 ROUTE_CACHE_TTL = 1.0  # seconds a route lookup is trusted
 TICK = 0.1  # seconds between looks for retransmissions and idle connections
 PRUNE_INTERVAL = 60.0  # seconds between removals of old closed remote endpoints
@@ -88,17 +92,20 @@ class Connection:
         direction: str,
         peer_broker: str,
         peer_address: str | None,
-        session_key: bytes,
+        send_key: bytes,
+        receive_key: bytes,
     ) -> None:
         self.reader = reader
         self.writer = writer
         self.direction = direction
         self.peer_broker = peer_broker
         self.peer_address = peer_address
-        self.key = session_key
+        self.send_key = send_key  # one key per direction: a frame cannot be reflected
+        self.receive_key = receive_key
+        self.verified = direction == "outbound"  # inbound: once a frame proves the key
         peername = writer.get_extra_info("peername")
         self.peer = f"{peername[0]}:{peername[1]}" if peername else "?"
-        self.opened_at = self.last_activity = time.time()
+        self.opened_at = self.last_activity = self.last_received = time.time()
         self.frames_sent = self.frames_received = 0
         self.bytes_sent = self.bytes_received = 0
         self.corrupted = 0
@@ -216,6 +223,7 @@ class TransportEndpoint:
         self._known: set[int] = set()  # in flight or being deleted: the loader skips them
         self._written_status: dict[int, str] = {}  # loader: last status it wrote per id
         self._route_cache: dict[str, tuple[float, routes.Route | None]] = {}
+        self._unrouted: set[int] = set()  # loader: ids waiting for a route
 
     # --- lifecycle (any thread) ----------------------------------------------------------
 
@@ -280,7 +288,7 @@ class TransportEndpoint:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop_async = asyncio.Event()
-        self._incoming = asyncio.Queue()
+        self._incoming = asyncio.Queue(INCOMING_MAX)
         server = None
         if self._listen is not None:
             host, port = self._listen
@@ -319,50 +327,43 @@ class TransportEndpoint:
         while not self._stopping.is_set():
             seen = broker._wakeups.generation(wakeup.TRANSMISSION)
             try:
-                rows, cursor, last_rescan = self._load_once(cursor, last_rescan)
+                read, cursor, last_rescan = self._load_once(cursor, last_rescan)
             except Exception:  # the loader must outlive a passing database error
                 log.warning("transport: reading the transmission queue failed", exc_info=True)
-                rows = []
-            if len(rows) >= LOAD_BATCH:
-                continue  # more are waiting
+                read = 0
+            if read >= LOAD_BATCH:
+                continue  # more are waiting past the cursor
             broker._wakeups.wait(wakeup.TRANSMISSION, seen, LOAD_POLL_INTERVAL)
 
-    def _load_once(
-        self, cursor: int, last_rescan: float
-    ) -> tuple[list[dict[str, Any]], int, float]:
+    def _load_once(self, cursor: int, last_rescan: float) -> tuple[int, int, float]:
+        """Read what is new past the cursor (and, every ``RESCAN_INTERVAL``, what is
+        behind it) and hand the routed messages to the loop. Returns how many rows were
+        read past the cursor, the new cursor and the time of the last rescan."""
         with self._known_lock:
             room = self.window - len(self._known)
-            if not self._known:
-                # Nothing in flight: read from the start. SQLite reuses the ids of deleted
+            if not self._known and not self._unrouted:
+                # Nothing held: read from the start. SQLite reuses the ids of deleted
                 # rows, so a new message may sit below the cursor.
                 cursor = 0
         if room <= 0:
-            return [], cursor, last_rescan
+            return 0, cursor, last_rescan
         rows = delivery.load_outgoing(
             self._broker, "outgoing_after", min(LOAD_BATCH, room), after=cursor
         )
+        read = len(rows)
         if rows:
             cursor = max(cursor, max(r["message_id"] for r in rows))
         now = time.monotonic()
         if now - last_rescan >= RESCAN_INTERVAL:
-            # A transaction that took an id below the cursor may have committed after we
-            # read past it (PostgreSQL); and messages without a route wait here too.
             last_rescan = now
-            with self._known_lock:
-                known = set(self._known)
-            seen = {r["message_id"] for r in rows}
-            late = delivery.load_outgoing(
-                self._broker, "outgoing_upto", room + len(known), upto=cursor
-            )
-            rows += [
-                r for r in late if r["message_id"] not in known and r["message_id"] not in seen
-            ]
+            rows += self._rescan(cursor, {r["message_id"] for r in rows})
             self._honor_priority = bool(self._broker.honor_broker_priority())
         routed: list[tuple[dict[str, Any], routes.Route]] = []
         unrouted: list[tuple[int, str, int, str, int]] = []
         for row in rows:
             route = self._route(row["to_service_name"])
             if route is None:
+                self._unrouted.add(row["message_id"])
                 status = f"no route to service {row['to_service_name']!r}"
                 if self._written_status.get(row["message_id"]) != status:
                     self._written_status[row["message_id"]] = status
@@ -376,6 +377,7 @@ class TransportEndpoint:
                         )
                     )
             else:
+                self._unrouted.discard(row["message_id"])
                 routed.append((row, route))
         if unrouted:
             delivery.set_statuses(self._broker, unrouted)
@@ -383,7 +385,34 @@ class TransportEndpoint:
             with self._known_lock:
                 self._known.update(row["message_id"] for row, _ in routed)
             self._loop.call_soon_threadsafe(self._on_loaded, routed)
-        return rows, cursor, last_rescan
+        return read, cursor, last_rescan
+
+    def _rescan(self, cursor: int, just_read: set[int]) -> list[dict[str, Any]]:
+        """Look behind the cursor: a transaction that took an id below it may have
+        committed after we read past it (PostgreSQL), and messages without a route wait
+        there. When the look covers everything, the loop also forgets what it holds
+        that is gone (a conversation cleaned up meanwhile)."""
+        with self._known_lock:
+            known = set(self._known)
+        limit = len(known) + len(self._unrouted) + LOAD_BATCH
+        present = delivery.load_outgoing(self._broker, "outgoing_present", limit, upto=cursor)
+        if len(present) < limit and self._loop is not None:
+            keys = {
+                (r["message_id"], r["conversation_handle"], r["message_sequence_number"])
+                for r in present
+            }
+            self._loop.call_soon_threadsafe(self._forget_missing, keys, cursor)
+            self._unrouted &= {r["message_id"] for r in present}
+        behind = [
+            r["message_id"]
+            for r in present
+            if r["message_id"] not in known and r["message_id"] not in just_read
+        ]
+        if not behind:
+            return []
+        late = delivery.load_outgoing(self._broker, "outgoing_upto", limit, upto=cursor)
+        wanted = set(behind)
+        return [r for r in late if r["message_id"] in wanted]
 
     def _route(self, service: str) -> routes.Route | None:
         now = time.monotonic()
@@ -442,6 +471,29 @@ class TransportEndpoint:
             else:
                 self._connect(link)
 
+    def _forget_missing(self, present: set[tuple[int, str, int]], cursor: int) -> None:
+        """Drop what is in flight up to ``cursor`` but no longer in the transmission
+        queue (its conversation was cleaned up, or its id reused by another message)."""
+        gone = [
+            m
+            for m in self._inflight.values()
+            if m.message_id <= cursor and (m.message_id, m.handle, m.seq) not in present
+        ]
+        for message in gone:
+            self._drop(message)
+        if gone:
+            with self._known_lock:
+                self._known.difference_update(m.message_id for m in gone)
+
+    def _drop(self, message: Outgoing) -> None:
+        """Forget a message in flight (acknowledged, or gone from the database)."""
+        self._by_key.pop(message.key, None)
+        self._inflight.pop(message.message_id, None)
+        self._statuses.pop(message.message_id, None)
+        link = self._links.get(message.address)
+        if link is not None:
+            link.messages.pop(message.message_id, None)
+
     def _link(self, route: routes.Route) -> Link:
         link = self._links.get(route.address)
         if link is None:
@@ -498,7 +550,8 @@ class TransportEndpoint:
                 self._attach(link, conn)
                 return
         finally:
-            link.dialing = None
+            if link.dialing is asyncio.current_task():
+                link.dialing = None
 
     async def _open(self, link: Link) -> Connection:
         host, port = routes.parse_address(link.address)
@@ -542,7 +595,8 @@ class TransportEndpoint:
             direction="outbound",
             peer_broker=peer_broker,
             peer_address=link.address,
-            session_key=frames.session_key(self._key, nonce, header["nonce"]),
+            send_key=frames.session_key(self._key, nonce, header["nonce"], "out"),
+            receive_key=frames.session_key(self._key, nonce, header["nonce"], "in"),
         )
         self._serve(conn)
         return conn
@@ -553,7 +607,9 @@ class TransportEndpoint:
         peername = writer.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if peername else "?"
         try:
-            hello = await asyncio.wait_for(frames.read(reader, self._key), CONNECT_TIMEOUT)
+            hello = await asyncio.wait_for(
+                frames.read(reader, self._key, max_body=HANDSHAKE_MAX_BODY), CONNECT_TIMEOUT
+            )
             header = hello.header
             if hello.kind is not frames.Kind.HELLO:
                 raise frames.GarbageFrame(f"expected HELLO, got {hello.kind.name}")
@@ -587,9 +643,16 @@ class TransportEndpoint:
             direction="inbound",
             peer_broker=header["broker"],
             peer_address=listen if isinstance(listen, str) else None,
-            session_key=frames.session_key(self._key, header["nonce"], nonce),
+            send_key=frames.session_key(self._key, header["nonce"], nonce, "in"),
+            receive_key=frames.session_key(self._key, header["nonce"], nonce, "out"),
         )
+        # Sent to only once a frame signed with the session key proves the peer holds the
+        # transport key (a replayed HELLO proves nothing): see _read_loop.
         self._serve(conn)
+
+    def _adopt(self, conn: Connection) -> None:
+        """An inbound connection proved itself: carry our messages for the address it
+        listens at on it, instead of dialling back."""
         link = self._links.get(conn.peer_address or "")
         if link is not None and link.connection is None and self._acceptable(link, conn):
             if link.dialing is not None:
@@ -616,16 +679,22 @@ class TransportEndpoint:
         try:
             while True:
                 try:
-                    frame = await frames.read(conn.reader, conn.key)
+                    frame = await frames.read(conn.reader, conn.receive_key)
                 except frames.CorruptFrame as exc:
                     conn.corrupted += 1
                     log.warning("transport: dropped a corrupted frame from %s: %s", conn.peer, exc)
                     self._event("CORRUPTED_MESSAGE", conn.peer, str(exc))
                     continue
-                conn.last_activity = time.time()
+                conn.last_activity = conn.last_received = time.time()
                 conn.frames_received += 1
                 conn.bytes_received += len(frame.body or b"") + frames.PREFIX.size
-                self._on_frame(conn, frame)
+                if not conn.verified:
+                    conn.verified = True
+                    self._adopt(conn)
+                fragment = self._on_frame(conn, frame)
+                if fragment is not None:
+                    assert self._incoming is not None
+                    await self._incoming.put((fragment, conn))  # waits while storing lags
         except frames.GarbageFrame as exc:
             reason = f"garbage on the connection: {exc}"
             log.warning("transport: closing the connection with %s: %s", conn.peer, reason)
@@ -636,7 +705,8 @@ class TransportEndpoint:
             return
         await self._close(conn, reason)
 
-    def _on_frame(self, conn: Connection, frame: frames.Frame) -> None:
+    def _on_frame(self, conn: Connection, frame: frames.Frame) -> delivery.Fragment | None:
+        """Act on a frame's acknowledgements and refusals; the fragment it carries."""
         header = frame.header
         try:
             for c, i, s, f in header.get("a", ()):
@@ -659,10 +729,10 @@ class TransportEndpoint:
                 )
                 if not 0 <= fragment.index < fragment.count:
                     raise ValueError(f"fragment {fragment.index} of {fragment.count}")
-                assert self._incoming is not None
-                self._incoming.put_nowait((fragment, conn))
+                return fragment
         except (KeyError, TypeError, ValueError) as exc:
             raise frames.GarbageFrame(f"malformed {frame.kind.name} header: {exc!r}") from None
+        return None
 
     async def _write_loop(self, conn: Connection) -> None:
         writer = conn.writer
@@ -681,10 +751,13 @@ class TransportEndpoint:
                     if writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH:
                         await writer.drain()
                 await writer.drain()
-        except (ConnectionError, OSError, ssl.SSLError) as exc:
-            await self._close(conn, _describe(exc))
         except asyncio.CancelledError:
             return
+        except (ConnectionError, OSError, ssl.SSLError) as exc:
+            await self._close(conn, _describe(exc))
+        except Exception as exc:  # a writer that died would leave the link mute for good
+            log.exception("transport: writing to %s failed", conn.peer)
+            await self._close(conn, f"writer failed: {_describe(exc)}")
 
     def _next_frame(self, conn: Connection) -> bytes | None:
         """The next frame for a connection: a fragment of its link (with the pending
@@ -702,16 +775,17 @@ class TransportEndpoint:
                 header["a"] = acks
             link.written(message, entry.index, now)
             return frames.encode(
-                frames.Kind.MESSAGE, header, message.fragments[entry.index], conn.key
+                frames.Kind.MESSAGE, header, message.fragments[entry.index], conn.send_key
             )
         if conn.rejects:
-            rejects, conn.rejects = conn.rejects, []
+            rejects = conn.rejects[:REJECTS_PER_FRAME]
+            del conn.rejects[: len(rejects)]
             header = {"r": rejects}
             if acks:
                 header["a"] = acks
-            return frames.encode(frames.Kind.REJECT, header, None, conn.key)
+            return frames.encode(frames.Kind.REJECT, header, None, conn.send_key)
         if acks:
-            return frames.encode(frames.Kind.ACK, {"a": acks}, None, conn.key)
+            return frames.encode(frames.Kind.ACK, {"a": acks}, None, conn.send_key)
         return None
 
     async def _close(self, conn: Connection, reason: str) -> None:
@@ -737,16 +811,11 @@ class TransportEndpoint:
 
     def _on_ack(self, key: tuple[str, bool, int], index: int) -> None:
         message = self._by_key.get(key)
-        if message is None:
+        if message is None or not 0 <= index < len(message.fragments):
             return
         message.acked.add(index)
         if message.done:
-            del self._by_key[key]
-            self._inflight.pop(message.message_id, None)
-            link = self._links.get(message.address)
-            if link is not None:
-                link.messages.pop(message.message_id, None)
-            self._statuses.pop(message.message_id, None)
+            self._drop(message)
             self._acked.append((message.message_id, message.handle, message.seq))
 
     def _on_reject(self, key: tuple[str, bool, int], reason: str, conn: Connection) -> None:
@@ -803,7 +872,7 @@ class TransportEndpoint:
                 if outcome is None:
                     conn.acks.append(list(fragment.key))
                 else:
-                    conn.rejects.append([*fragment.key, outcome])
+                    conn.rejects.append([*fragment.key, outcome[:REJECT_REASON_MAX]])
                 conn.wake.set()
 
     # --- housekeeping ------------------------------------------------------------------
@@ -812,41 +881,52 @@ class TransportEndpoint:
         last_prune = 0.0
         while True:
             await asyncio.sleep(TICK)
-            now = time.time()
-            for link in self._links.values():
-                woke = False
-                for message in link.messages.values():
-                    if message.due is not None and message.due <= now and not message.done:
-                        message.attempts += 1
-                        message.rejected = None
-                        message.backoff = min(message.backoff * 2, self.retry_max)
-                        if link.connection is not None:
-                            link.start_round(message, now)
-                            woke = True
-                        else:
-                            message.due = now + message.backoff
-                        self._status(
-                            message,
-                            f"not acknowledged; sent again (attempt {message.attempts + 1})",
-                            1,
-                        )
-                if woke and link.connection is not None:
-                    link.connection.wake.set()
-                if link.has_work() and link.connection is None:
-                    self._connect(link)
-            for conn in list(self._connections):
-                idle = now - conn.last_activity > self.idle_timeout
-                busy = (
-                    conn.link is not None and conn.link.connection is conn and conn.link.has_work()
-                )
-                if idle and not busy and not conn.acks:
-                    await self._close(conn, f"idle for {self.idle_timeout:g} s")
-            await self._flush_writes()
-            if now - last_prune > PRUNE_INTERVAL:
-                last_prune = now
-                await asyncio.get_running_loop().run_in_executor(
-                    self._writes, delivery.prune_closed, self._broker, now
-                )
+            try:
+                last_prune = await self._tick(time.time(), last_prune)
+            except Exception:  # housekeeping must outlive a passing error (a database one)
+                log.warning("transport: housekeeping failed; going on", exc_info=True)
+
+    async def _tick(self, now: float, last_prune: float) -> float:
+        """Retransmit what is due, reconnect links with work, close idle and stalled
+        connections, write what was gathered, now and then prune old tombstones."""
+        for link in self._links.values():
+            woke = False
+            for message in link.messages.values():
+                if message.due is not None and message.due <= now and not message.done:
+                    message.attempts += 1
+                    message.rejected = None
+                    message.backoff = min(message.backoff * 2, self.retry_max)
+                    if link.connection is not None:
+                        link.start_round(message, now)
+                        woke = True
+                    else:
+                        message.due = now + message.backoff
+                    self._status(
+                        message,
+                        f"not acknowledged; sent again (attempt {message.attempts + 1})",
+                        1,
+                    )
+            if woke and link.connection is not None:
+                link.connection.wake.set()
+            if link.has_work() and link.connection is None:
+                self._connect(link)
+        stall = max(self.idle_timeout, 2 * self.retry_max)
+        for conn in list(self._connections):
+            carries = conn.link is not None and conn.link.connection is conn
+            busy = carries and conn.link is not None and conn.link.has_work()
+            if now - conn.last_activity > self.idle_timeout and not busy and not conn.acks:
+                await self._close(conn, f"idle for {self.idle_timeout:g} s")
+            elif busy and now - conn.last_received > stall:
+                # Messages wait and the peer has said nothing for that long: a dead peer
+                # whose socket never reset. Another connection may do better.
+                await self._close(conn, f"nothing received for {stall:g} s with messages waiting")
+        await self._flush_writes()
+        if now - last_prune > PRUNE_INTERVAL:
+            last_prune = now
+            await asyncio.get_running_loop().run_in_executor(
+                self._writes, delivery.prune_closed, self._broker, now
+            )
+        return last_prune
 
     async def _flush_writes(self) -> None:
         """Write what the loop gathered: deletions of acknowledged messages, statuses,

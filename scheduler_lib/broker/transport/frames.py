@@ -81,7 +81,7 @@ def encode(kind: Kind, header: dict[str, Any], body: bytes | None, key: bytes) -
     return out + hmac.new(key, out, hashlib.sha256).digest()
 
 
-async def read(reader: asyncio.StreamReader, key: bytes) -> Frame:
+async def read(reader: asyncio.StreamReader, key: bytes, max_body: int = MAX_BODY) -> Frame:
     """Read and verify the next frame.
 
     :raises GarbageFrame: the stream is not ours (close the connection)
@@ -94,8 +94,8 @@ async def read(reader: asyncio.StreamReader, key: bytes) -> Frame:
         raise GarbageFrame(f"bad magic {magic!r} (not a scheduler_lib broker, or desynchronised)")
     if kind not in Kind._value2member_map_:
         raise GarbageFrame(f"unknown frame kind {kind}")
-    if body_len > MAX_BODY:
-        raise GarbageFrame(f"frame body of {body_len} bytes exceeds {MAX_BODY}")
+    if body_len > max_body:
+        raise GarbageFrame(f"frame body of {body_len} bytes exceeds {max_body}")
     rest = await reader.readexactly(head_len + body_len + MAC_SIZE)
     signed, mac = prefix + rest[:-MAC_SIZE], rest[-MAC_SIZE:]
     if not hmac.compare_digest(hmac.new(key, signed, hashlib.sha256).digest(), mac):
@@ -110,7 +110,8 @@ async def read(reader: asyncio.StreamReader, key: bytes) -> Frame:
     return Frame(Kind(kind), header, body)
 
 
-def session_key(key: bytes, connecting_nonce: str, accepting_nonce: str) -> bytes:
-    """The key that signs a connection's frames after the handshake."""
-    material = f"session:{connecting_nonce}:{accepting_nonce}".encode()
+def session_key(key: bytes, connecting_nonce: str, accepting_nonce: str, direction: str) -> bytes:
+    """The key that signs a connection's frames after the handshake, one per direction
+    (``"out"``: from the connecting side), so a frame cannot be sent back to its sender."""
+    material = f"session:{direction}:{connecting_nonce}:{accepting_nonce}".encode()
     return hmac.new(key, material, hashlib.sha256).digest()

@@ -52,7 +52,9 @@ SET status = :status, error = :error, result = :result, worker_id = :worker,
     start_time = coalesce(:started_at, start_time), end_time = coalesce(:ended_at, :now),
     spark_application_id = :application_id, spark_job_group = :job_group,
     attempts = attempts + 1
-WHERE log_id = :log_id AND scheduler_handle = :handle AND end_time IS NULL;
+WHERE log_id = :log_id AND scheduler_handle = :handle
+-- A cancel here never reached the other broker: the task may have run all the same.
+AND (end_time IS NULL OR (status = 'CANCELLED' AND worker_id IS NULL));
 
 -- name: log_start
 -- The executor starts the task (or, after its worker died, starts it again): who and
