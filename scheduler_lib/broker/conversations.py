@@ -308,7 +308,7 @@ class ConversationOperations:
             endpoint = tx._endpoint(handle)
             tx._wrote = True
             if cleanup:
-                tx._close(endpoint)
+                tx._close(endpoint, cleanup=True)
                 return
             # The group lock first, as RECEIVE takes it, then both endpoints in a fixed order.
             tx._execute("group_lock", group_id=str(endpoint.conversation_group_id))

@@ -575,13 +575,18 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                 **params,
             )
 
-    def _close(self, endpoint: ConversationEndpoint) -> None:
+    def _close(self, endpoint: ConversationEndpoint, *, cleanup: bool = False) -> None:
         """Remove an endpoint, its messages and, once empty, its group. A remote
         conversation's endpoint stays as a tombstone (state ``CD``) for a while: late
-        copies of its messages must be recognised, not open a new conversation."""
+        copies of its messages must be recognised, not open a new conversation; and its
+        outgoing messages still go (the far side needs their numbers to take what
+        follows, its EndDialog), unless this is a cleanup."""
         handle = str(endpoint.conversation_handle)
         self._execute("messages_delete_conversation", handle=handle)
-        self._execute("transmission_delete_conversation", handle=handle)
+        if endpoint.is_remote and not cleanup:
+            self._execute("transmission_delete_held", handle=handle)
+        else:
+            self._execute("transmission_delete_conversation", handle=handle)
         self._execute("leases_delete_conversation", handle=handle)
         self._execute("poison_history_delete_conversation", handle=handle)
         self._wrote = True

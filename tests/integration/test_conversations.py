@@ -310,6 +310,41 @@ def test_arrivals_from_another_broker_are_delivered_once_and_in_order(
     assert broker.conversation_endpoint(far.conversation_handle).receive_sequence == seq + 3
 
 
+def test_a_held_message_is_not_forgotten_when_its_batch_emptied_the_hold_before(
+    scheduler_catalog: Broker,
+) -> None:
+    broker = scheduler_catalog
+    handle = begin(broker)
+    broker.send(handle, "AsyncSent", b"first")
+    assert len(broker.receive(TQ, timeout=DEADLINE)) == 1
+    far = far_endpoint(broker, handle)
+    seq = far.receive_sequence
+    receiver = delivery.Receiver(broker)
+
+    def arrival(n: int) -> delivery.Fragment:
+        return delivery.Fragment(
+            conversation_id=str(far.conversation_id),
+            from_initiator=True,
+            seq=n,
+            index=0,
+            count=1,
+            from_service=far.far_service_name,
+            to_service=far.service_name,
+            contract=far.contract_name,
+            message_type="AsyncSent",
+            body=b"%d" % n,
+        )
+
+    # Given n+1 held, then a batch that delivers n and n+1 (emptying the hold) and holds
+    # n+3 in the same transaction
+    assert receiver.accept_batch([arrival(seq + 1)]) == [None]
+    assert receiver.accept_batch([arrival(seq), arrival(seq + 3)]) == [None, None]
+    # When n+2 fills the gap
+    assert receiver.accept_batch([arrival(seq + 2)]) == [None]
+    # Then n+3 is delivered too: the hold was not forgotten
+    assert [m.message_sequence_number for m in broker.peek(TQ)] == [seq + i for i in range(4)]
+
+
 def test_receive_filters_and_get_conversation_group(scheduler_catalog: Broker) -> None:
     broker = scheduler_catalog
     # Given two dialogs with two messages each on the target queue

@@ -10,6 +10,7 @@ not acknowledged is sent again and recognised as a duplicate if it had in fact a
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -39,6 +40,11 @@ SENDABLE = (
     EndpointState.CONVERSING,
 )
 CLOSED_RETENTION = 1800.0  # seconds a remote conversation's closed endpoint is kept
+CACHE_TTL = 60.0  # seconds the catalog facts checked on arrival are trusted
+INVALID_MESSAGE_CODE = -9617  # SQL Server's "message failed validation" error
+# An outcome that is neither an acknowledgement nor a refusal: the sender tries again
+# later (a conversation's later message before the one that creates its endpoint).
+NOT_YET = "\x00not yet"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,8 @@ class Receiver:
         self._waiting: set[tuple[str, bool]] = set()
         self._allowed: dict[tuple[str, str], SentBy] = {}  # (contract, type) -> sender
         self._validation: dict[str, Validation] = {}
+        self._cache_read = time.monotonic()
+        self._forget: set[tuple[str, bool]] = set()  # hints to drop at commit
         self.reload()
 
     def reload(self) -> None:
@@ -92,6 +100,11 @@ class Receiver:
         :return: per fragment, ``None`` to acknowledge it (stored, or a duplicate of one
             stored before) or the reason it is refused (it is not acknowledged then)
         """
+        if time.monotonic() - self._cache_read > CACHE_TTL:
+            self._allowed.clear()
+            self._validation.clear()
+            self._cache_read = time.monotonic()
+        self._forget = set()
         try:
             with self._broker.transaction() as tx:
                 # Within one transaction the endpoints read stay true but for what this
@@ -108,8 +121,8 @@ class Receiver:
                     else:
                         outcomes.append(self._accept(tx, fragments[i]))
                         i += 1
-                return outcomes
         except Exception:
+            self.reload()  # the hints may name what the rollback undid
             if len(fragments) == 1:
                 raise
             # One fragment broke the batch: take them one by one so only it is refused.
@@ -119,9 +132,11 @@ class Receiver:
             for fragment in fragments:
                 try:
                     outcomes.extend(self.accept_batch([fragment]))
-                except exceptions.BrokerError as exc:
+                except Exception as exc:  # not stored: refused with the reason, sent again
                     outcomes.append(f"the receiving broker failed to store it: {exc}")
             return outcomes
+        self._waiting -= self._forget  # only once the transaction that emptied them committed
+        return outcomes
 
     # --- a run of messages in order ----------------------------------------------------
 
@@ -217,6 +232,10 @@ class Receiver:
             refused = self._check_new_conversation(tx, f)
             if refused:
                 return refused
+            if f.seq != 0:
+                # Only the first message opens a conversation; a later one may also be a
+                # late copy from a conversation whose closed endpoint is long gone.
+                return NOT_YET
             endpoint = self._create_target(tx, f)
         if endpoint.state is EndpointState.CLOSED or f.seq < endpoint.receive_sequence:
             return None  # a copy of something delivered before
@@ -227,7 +246,19 @@ class Receiver:
             refused = self._deliver(tx, endpoint, f.seq, f.message_type, f.body)
             if refused:
                 return refused
+            if (f.conversation_id, f.from_initiator) in self._waiting:
+                # A copy of it may be held from before (its acknowledgement was lost).
+                tx._execute(
+                    "fragments_delete_message",
+                    conversation_id=f.conversation_id,
+                    is_initiator=f.from_initiator,
+                    seq=f.seq,
+                )
         else:
+            if f.count == 1:
+                refused = self._check_body(f.message_type, f.body)
+                if refused:
+                    return refused
             tx._execute(
                 "fragment_insert",
                 conversation_id=f.conversation_id,
@@ -240,7 +271,9 @@ class Receiver:
                 now=time.time(),
             )
             tx._wrote = True
-            self._waiting.add((f.conversation_id, f.from_initiator))
+            key = (f.conversation_id, f.from_initiator)
+            self._waiting.add(key)
+            self._forget.discard(key)  # something waits again: keep the hint at commit
             if f.seq != endpoint.receive_sequence:
                 return None  # held until its predecessors arrive
         self._drain(tx, f.conversation_id, f.from_initiator)
@@ -254,7 +287,7 @@ class Receiver:
         while True:
             endpoint = self._endpoint(tx, conversation_id, not from_initiator)
             if endpoint is None or endpoint.state is EndpointState.CLOSED:
-                self._waiting.discard(key)
+                self._forget.add(key)
                 return
             seq = endpoint.receive_sequence
             parts = tx._all(
@@ -263,10 +296,15 @@ class Receiver:
                 is_initiator=from_initiator,
                 seq=seq,
             )
-            if not parts or len(parts) < int(parts[0]["fragment_count"]):
-                if not parts:
-                    self._forget_if_empty(tx, key)
+            if not parts:
+                self._forget_if_empty(tx, key)
                 return
+            count = int(parts[0]["fragment_count"])
+            indexes = [int(p["fragment_index"]) for p in parts]
+            if indexes != list(range(count)) or any(
+                int(p["fragment_count"]) != count for p in parts
+            ):
+                return  # not whole yet (or of two layouts: the complete one will come)
             body_parts = [p["message_body"] for p in parts]
             body = None if body_parts == [None] else b"".join(p or b"" for p in body_parts)
             tx._execute(
@@ -277,7 +315,11 @@ class Receiver:
             )
             refused = self._deliver(tx, endpoint, seq, parts[0]["message_type_name"], body)
             if refused:
-                raise exceptions.InvalidMessageBody(refused)
+                # Acknowledged long ago, whole only now, and not acceptable here: the
+                # conversation fails, as SQL Server's does (this side gets an Error).
+                log.warning("conversation %s: %s", conversation_id, refused)
+                error = json.dumps({"code": INVALID_MESSAGE_CODE, "description": refused})
+                self._deliver(tx, endpoint, seq, ERROR, error.encode())
 
     def _forget_if_empty(self, tx: Transaction, key: tuple[str, bool]) -> None:
         # Whatever is still waiting for this conversation lies further ahead; the hint
@@ -288,7 +330,7 @@ class Receiver:
             conversation_id=conversation_id,
             is_initiator=from_initiator,
         ):
-            self._waiting.discard(key)
+            self._forget.add(key)
 
     def _deliver(
         self,
@@ -310,7 +352,7 @@ class Receiver:
             self._endpoints.pop(key, None)
             return None  # raced with another delivery of the same number: a duplicate
         tx._wrote = True
-        state = endpoint.state
+        state = EndpointState(accepted["state"])  # read under the row's lock, not before
         if message_type in (END_DIALOG, ERROR) or state is EndpointState.STARTED_OUTBOUND:
             self._endpoints.pop(key, None)  # its state changes below: read it again
         else:

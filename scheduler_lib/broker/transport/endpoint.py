@@ -865,6 +865,8 @@ class TransportEndpoint:
                 log.warning("transport: storing %d fragments failed", len(batch), exc_info=True)
                 continue
             for (fragment, conn), outcome in zip(batch, outcomes, strict=True):
+                if outcome == delivery.NOT_YET:
+                    continue  # neither taken nor refused: the sender tries again later
                 if outcome is not None:
                     self._event("MESSAGE_REJECTED", conn.peer, outcome)
                 if conn.closed:
