@@ -410,9 +410,12 @@ class TaskScheduler:
         self, handle: SchedulerHandle | uuid.UUID | str, log_ids: Sequence[int]
     ) -> WaveProgress:
         """Where the tasks ``log_ids`` (sent on ``handle``) stand, read from
-        ``execution_log`` — one indexed query, nothing consumed, so it can be asked any
-        number of times from any process. A task whose row says it ended has answered
-        (its row and its ``AsyncDone`` are written in one transaction).
+        ``execution_log`` — one indexed query, so it can be asked any number of times
+        from any process. A task whose row says it ended has answered (its row and its
+        ``AsyncDone`` are written in one transaction). For a target on another broker
+        the answers are what completes the rows here, so this first takes the
+        scheduler's ``AsyncDone`` messages (as :meth:`drain`): do not also wait with
+        :meth:`synchronization` on the same scheduler.
 
         :raises InvalidArgument: when a log id is not one of this scheduler's tasks
         """
