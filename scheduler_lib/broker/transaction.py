@@ -295,25 +295,47 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                 "endpoint no longer exists (it was ended with cleanup); end it here too"
             )
         # The target endpoint comes into being with the conversation's first message.
-        target = self._service(endpoint.far_service_name)
+        return self._create_target_endpoint(
+            conversation_id=str(endpoint.conversation_id),
+            service=endpoint.far_service_name,
+            far_service=endpoint.service_name,
+            contract=endpoint.contract_name,
+            lifetime_expires_at=endpoint.lifetime_expires_at,
+            is_remote=False,
+        )
+
+    def _create_target_endpoint(
+        self,
+        *,
+        conversation_id: str,
+        service: str,
+        far_service: str,
+        contract: str,
+        lifetime_expires_at: float | None,
+        is_remote: bool,
+    ) -> ConversationEndpoint:
+        """A conversation's target endpoint, in a new group of its service's queue (its
+        initiator is here, or on another broker when ``is_remote``)."""
+        target = self._service(service)
         now = time.time()
         handle, group_id = str(uuid.uuid4()), str(uuid.uuid4())
         self._execute("group_insert", group_id=group_id, queue=target["queue_name"], now=now)
         self._execute(
             "endpoint_insert",
             handle=handle,
-            conversation_id=str(endpoint.conversation_id),
+            conversation_id=conversation_id,
             is_initiator=False,
-            service=endpoint.far_service_name,
-            far_service=endpoint.service_name,
-            contract=endpoint.contract_name,
+            service=service,
+            far_service=far_service,
+            contract=contract,
             queue=target["queue_name"],
             group_id=group_id,
             state=EndpointState.STARTED_INBOUND.value,
-            lifetime_expires_at=endpoint.lifetime_expires_at,
+            lifetime_expires_at=lifetime_expires_at,
             now=now,
-            is_remote=False,
+            is_remote=is_remote,
         )
+        self._wrote = True
         return self._endpoint(handle)
 
     # --- sending ---------------------------------------------------------------------

@@ -266,6 +266,22 @@ def test_many_sends_arrive_exactly_once_in_order(scheduler_catalog: Broker) -> N
     assert broker.receive(TQ, timeout=0) == []
 
 
+def _arrival(far: Any, n: int, body: bytes) -> delivery.Fragment:
+    """Message ``n`` for endpoint ``far`` as the transport hands it over, whole."""
+    return delivery.Fragment(
+        conversation_id=str(far.conversation_id),
+        from_initiator=True,
+        seq=n,
+        index=0,
+        count=1,
+        from_service=far.far_service_name,
+        to_service=far.service_name,
+        contract=far.contract_name,
+        message_type="AsyncSent",
+        body=body,
+    )
+
+
 def test_arrivals_from_another_broker_are_delivered_once_and_in_order(
     scheduler_catalog: Broker,
 ) -> None:
@@ -279,18 +295,7 @@ def test_arrivals_from_another_broker_are_delivered_once_and_in_order(
     receiver = delivery.Receiver(broker)
 
     def arrival(n: int, body: bytes) -> delivery.Fragment:
-        return delivery.Fragment(
-            conversation_id=str(far.conversation_id),
-            from_initiator=True,
-            seq=n,
-            index=0,
-            count=1,
-            from_service=far.far_service_name,
-            to_service=far.service_name,
-            contract=far.contract_name,
-            message_type="AsyncSent",
-            body=body,
-        )
+        return _arrival(far, n, body)
 
     # When the transport brings a message, a copy of it, and one that overtook its
     # predecessor — then the predecessor
@@ -322,18 +327,7 @@ def test_a_held_message_is_not_forgotten_when_its_batch_emptied_the_hold_before(
     receiver = delivery.Receiver(broker)
 
     def arrival(n: int) -> delivery.Fragment:
-        return delivery.Fragment(
-            conversation_id=str(far.conversation_id),
-            from_initiator=True,
-            seq=n,
-            index=0,
-            count=1,
-            from_service=far.far_service_name,
-            to_service=far.service_name,
-            contract=far.contract_name,
-            message_type="AsyncSent",
-            body=b"%d" % n,
-        )
+        return _arrival(far, n, b"%d" % n)
 
     # Given n+1 held, then a batch that delivers n and n+1 (emptying the hold) and holds
     # n+3 in the same transaction

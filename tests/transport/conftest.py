@@ -65,22 +65,3 @@ def pair(pair_urls: tuple[str, str]) -> Iterator[tuple[Broker, Broker]]:
     finally:
         a.close()
         b.close()
-
-
-@pytest.fixture
-def postgres_url_2(postgres_server: str) -> Iterator[str]:
-    """A second fresh PostgreSQL database, for tests that need two on one backend."""
-    import uuid
-
-    import sqlalchemy as sa
-
-    name = f"scheduler_lib_test_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield sa.make_url(postgres_server).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()

@@ -322,8 +322,7 @@ def test_one_connection_per_peer_closed_when_idle_and_reopened_on_demand(
     pair: tuple[Broker, Broker],
 ) -> None:
     a, b = pair
-    idle = {**OPTIONS, "idle_timeout": 0.5}
-    with TransportEndpoint(a, **idle) as ea, TransportEndpoint(b, **idle) as eb:
+    with TransportEndpoint(a, **OPTIONS) as ea, TransportEndpoint(b, **OPTIONS) as eb:
         a.create_route("to target", TARGET, eb.address or "")
         b.create_route("to initiator", INITIATOR, ea.address or "")
         # Given a conversation in both directions
@@ -341,6 +340,7 @@ def test_one_connection_per_peer_closed_when_idle_and_reopened_on_demand(
         assert inbound.peer_broker == a.broker_instance
         assert outbound.frames_sent >= 1 and inbound.frames_sent >= 1
         # When nothing moves for longer than the idle timeout, it is closed
+        ea.idle_timeout = eb.idle_timeout = 0.5
         poll(lambda: not ea.connections() and not eb.connections(), 10, "idle close")
         # And the next message opens a new one
         a.send(handle, REQUEST, b"again")

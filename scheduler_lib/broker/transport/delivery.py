@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -436,29 +435,15 @@ class Receiver:
 
     @staticmethod
     def _create_target(tx: Transaction, f: Fragment) -> ConversationEndpoint:
-        """The target endpoint comes into being with the conversation's first arrival
-        (whichever message that is: an earlier one may still be on its way)."""
-        service = tx._service(f.to_service)
-        now = time.time()
-        handle, group_id = str(uuid.uuid4()), str(uuid.uuid4())
-        tx._execute("group_insert", group_id=group_id, queue=service["queue_name"], now=now)
-        tx._execute(
-            "endpoint_insert",
-            handle=handle,
+        """The target endpoint comes into being with the conversation's first message."""
+        return tx._create_target_endpoint(
             conversation_id=f.conversation_id,
-            is_initiator=False,
             service=f.to_service,
             far_service=f.from_service,
             contract=f.contract,
-            queue=service["queue_name"],
-            group_id=group_id,
-            state=EndpointState.STARTED_INBOUND.value,
             lifetime_expires_at=f.lifetime_expires_at,
-            now=now,
             is_remote=True,
         )
-        tx._wrote = True
-        return tx._endpoint(handle)
 
 
 # --- the sending side's writes ---------------------------------------------------------
