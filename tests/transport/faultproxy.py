@@ -1,6 +1,10 @@
 """A fault-injecting TCP proxy for transport tests: it sits between two brokers on
 loopback, reads whole frames and drops, duplicates, reorders, delays or corrupts them, or
-cuts the connection, at configurable rates and reproducibly (seeded)."""
+cuts the connection, at configurable rates and reproducibly (seeded).
+
+A stream that does not hold our frames (bad magic, unknown kind, absurd size, or fewer
+bytes than a prefix before the peer closes) is forwarded unchanged from there on, so a
+test can send garbage through it and watch the broker on the other side refuse it."""
 
 from __future__ import annotations
 
@@ -10,9 +14,23 @@ import dataclasses
 import random
 import threading
 
-from scheduler_lib.broker.transport.frames import MAC_SIZE, MAGIC, PREFIX, Kind
+from scheduler_lib.broker.transport.frames import MAC_SIZE, MAGIC, MAX_BODY, PREFIX, Kind
 
 HANDSHAKE = (Kind.HELLO.value, Kind.WELCOME.value)
+KINDS = frozenset(kind.value for kind in Kind)
+STATS = (
+    "connections",
+    "frames",
+    "dropped",
+    "duplicated",
+    "reordered",
+    "delayed",
+    "corrupted",
+    "cuts",
+    "garbage_bytes",
+)
+
+Pair = tuple[asyncio.StreamWriter, asyncio.StreamWriter]
 
 
 @dataclasses.dataclass
@@ -31,7 +49,12 @@ class Faults:
 
 
 class FaultProxy:
-    """Forwards connections from its own port to ``target``, faulting frames."""
+    """Forwards connections from its own port to ``target``, faulting frames.
+
+    Each direction of each connection draws its faults from its own generator, seeded by
+    ``seed``, the connection's number and the direction, so a run's faults depend only on
+    the frames sent and not on how the two directions interleave.
+    """
 
     def __init__(
         self,
@@ -45,39 +68,34 @@ class FaultProxy:
         self.faults = faults
         self.seed = seed
         self.listen_host = listen_host
-        self._stats = dict.fromkeys(
-            (
-                "connections",
-                "frames",
-                "dropped",
-                "duplicated",
-                "reordered",
-                "delayed",
-                "corrupted",
-                "cuts",
-                "garbage_bytes",
-            ),
-            0,
-        )
+        self._stats = dict.fromkeys(STATS, 0)
         self._port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._pairs: set[Pair] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._error: BaseException | None = None
 
     # --- lifecycle -------------------------------------------------------------------
 
     def start(self) -> FaultProxy:
+        """Listen (on a free port) and serve from a daemon thread; returns when listening."""
         self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
         self._thread.start()
         if not self._ready.wait(10):
             raise RuntimeError("the fault proxy did not start")
+        if self._error is not None:
+            raise RuntimeError(f"the fault proxy did not start: {self._error}")
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+        """Close the listener and every connection; join the thread."""
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                loop.call_soon_threadsafe(stop.set)
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -96,13 +114,18 @@ class FaultProxy:
         return dict(self._stats)
 
     def set_faults(self, faults: Faults) -> None:
+        """New rates from the next frame on (the object is replaced, never mutated)."""
         self.faults = faults
 
     def cut_all(self) -> int:
         """Close every proxied connection now; how many there were."""
-        if self._loop is None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
             return 0
-        future = asyncio.run_coroutine_threadsafe(self._cut_all(), self._loop)
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._cut_all(), loop)
+        except RuntimeError:  # the loop closed meanwhile
+            return 0
         return future.result(timeout=5)
 
     async def _cut_all(self) -> int:
@@ -112,7 +135,11 @@ class FaultProxy:
         return len(pairs)
 
     def _run(self) -> None:
-        asyncio.run(self._main())
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # reported by start(); never a thread traceback
+            self._error = exc
+            self._ready.set()
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -124,29 +151,49 @@ class FaultProxy:
         server.close()
         for pair in list(self._pairs):
             self._close(pair)
+        for task in list(self._handlers):
+            task.cancel()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=1)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(server.wait_closed(), 2)
+            await asyncio.wait_for(server.wait_closed(), 1)
 
     # --- one proxied connection --------------------------------------------------------
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._stats["connections"] += 1
-        rng = random.Random(self.seed * 1000 + self._stats["connections"])
+        number = self._stats["connections"]
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        pair: Pair | None = None
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.close()
-            return
-        pair = (writer, up_writer)
-        self._pairs.add(pair)
-        await asyncio.gather(
-            self._pump(reader, up_writer, rng, pair),
-            self._pump(up_reader, writer, rng, pair),
-            return_exceptions=True,
-        )
-        self._close(pair)
+            try:
+                up_reader, up_writer = await asyncio.open_connection(*self.target)
+            except OSError:
+                return
+            pair = (writer, up_writer)
+            self._pairs.add(pair)
+            await asyncio.gather(
+                self._pump(reader, up_writer, self._rng(number, "out"), pair),
+                self._pump(up_reader, writer, self._rng(number, "in"), pair),
+                return_exceptions=True,
+            )
+        except asyncio.CancelledError:  # stop(): the connection ends here
+            pass
+        finally:
+            if pair is not None:
+                self._close(pair)
+            else:
+                with contextlib.suppress(Exception):
+                    writer.close()
+            if task is not None:
+                self._handlers.discard(task)
 
-    def _close(self, pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter]) -> None:
+    def _rng(self, number: int, direction: str) -> random.Random:
+        return random.Random(f"{self.seed}:{number}:{direction}")
+
+    def _close(self, pair: Pair) -> None:
         self._pairs.discard(pair)
         for w in pair:
             with contextlib.suppress(Exception):
@@ -157,25 +204,30 @@ class FaultProxy:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         rng: random.Random,
-        pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter],
+        pair: Pair,
     ) -> None:
         held: list[bytes] = []
-        flush: asyncio.Task[None] | None = None
+        flusher: asyncio.Task[None] | None = None
 
-        async def flush_later() -> None:
-            await asyncio.sleep(self.faults.reorder_hold)
+        def release() -> None:
+            nonlocal flusher
             while held:
                 writer.write(held.pop(0))
+            if flusher is not None and flusher is not asyncio.current_task():
+                flusher.cancel()
+            flusher = None
+
+        async def release_later(hold: float) -> None:
+            await asyncio.sleep(hold)
+            with contextlib.suppress(Exception):
+                release()
 
         try:
             while True:
                 is_frame, frame = await self._read_frame(reader)
                 if not is_frame:  # not our frames: forward it and the rest unchanged
-                    writer.write(frame)
-                    while data := await reader.read(65536):
-                        self._stats["garbage_bytes"] += len(data)
-                        writer.write(data)
-                        await writer.drain()
+                    release()
+                    await self._forward_raw(frame, reader, writer)
                     return
                 self._stats["frames"] += 1
                 faults = self.faults
@@ -204,28 +256,52 @@ class FaultProxy:
                 if rng.random() < faults.reorder and not held:
                     self._stats["reordered"] += 1
                     held.extend([frame] * copies)
-                    flush = asyncio.create_task(flush_later())
+                    flusher = asyncio.create_task(release_later(faults.reorder_hold))
                     continue
                 for _ in range(copies):
                     writer.write(frame)
-                while held:  # the held frame goes after this one
-                    writer.write(held.pop(0))
+                release()  # a held frame goes after this one
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, RuntimeError):
             return
         except asyncio.CancelledError:
             return
         finally:
-            if flush is not None:
-                flush.cancel()
+            if flusher is not None:
+                flusher.cancel()
             self._close(pair)
+
+    async def _forward_raw(
+        self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Forward ``first`` and everything after it unchanged, until EOF."""
+        data = first
+        while data:
+            self._stats["garbage_bytes"] += len(data)
+            writer.write(data)
+            await writer.drain()
+            data = await reader.read(65536)
 
     async def _read_frame(self, reader: asyncio.StreamReader) -> tuple[bool, bytes]:
         """(True, the next whole frame), or (False, what was read) when the stream is not
-        made of our frames."""
-        prefix = await reader.readexactly(PREFIX.size)
-        magic, _kind, _flags, head_len, body_len = PREFIX.unpack(prefix)
-        if magic != MAGIC:
-            self._stats["garbage_bytes"] += len(prefix)
+        made of our frames.
+
+        The prefix is read as it comes, and given up on as soon as its first bytes cannot
+        be the magic, so garbage shorter than a prefix still goes through at once.
+
+        :raises asyncio.IncompleteReadError: the peer closed between frames or mid-frame
+        """
+        prefix = b""
+        while len(prefix) < PREFIX.size:
+            chunk = await reader.read(PREFIX.size - len(prefix))
+            if not chunk:
+                if not prefix:
+                    raise asyncio.IncompleteReadError(b"", PREFIX.size)
+                return False, prefix  # a stub shorter than a prefix: forward it
+            prefix += chunk
+            if not MAGIC.startswith(prefix[: len(MAGIC)]):
+                return False, prefix
+        _magic, kind, _flags, head_len, body_len = PREFIX.unpack(prefix)
+        if kind not in KINDS or body_len > MAX_BODY:
             return False, prefix
         return True, prefix + await reader.readexactly(head_len + body_len + MAC_SIZE)
