@@ -158,3 +158,35 @@ def test_queues_shows_a_disabled_queue_and_why(db_url: str) -> None:
         re.MULTILINE,
     )
     assert "alter_queue(name, status=True)" in result.stdout
+
+
+def test_routes_command_creates_lists_and_drops_and_shows_what_waits(db_url: str) -> None:
+    # Given a broker with a dialog to a service reached by a route nobody serves
+    create = _cli("routes", "--db", db_url, "create", "to spark", "Far", "tcp://127.0.0.1:9")
+    assert create.returncode == 0, create.stderr
+    assert re.search(r"to spark\s+Far\s+ANY\s+tcp://127\.0\.0\.1:9", create.stdout)
+    with Broker(db_url, timers=False) as broker:
+        instance = broker.broker_instance
+        broker.create_queue("Q")
+        broker.create_service("Near", "Q")
+        handle = broker.begin_dialog("Near", "Far")
+        broker.send(handle, "DEFAULT", b"waiting")
+    # When the routes are listed
+    listing = _cli("routes", "--db", db_url)
+    # Then the broker's id, the route and the waiting message are shown
+    assert listing.returncode == 0, listing.stderr
+    assert f"broker instance {instance}" in listing.stdout
+    assert re.search(r"\bFar\s+0\s+DEFAULT\b.*in flight", listing.stdout)
+    # And a bad address is refused by name; drop removes the route
+    bad = _cli("routes", "--db", db_url, "create", "bad", "Far", "nowhere")
+    assert bad.returncode == 2 and "route address must be" in bad.stderr
+    dropped = _cli("routes", "--db", db_url, "drop", "to spark")
+    assert dropped.returncode == 0, dropped.stderr
+    assert "to spark" not in dropped.stdout
+
+
+def test_serve_listen_needs_a_transport_key(sqlite_url: str) -> None:
+    env = {"SCHEDULER_LIB_TRANSPORT_KEY": ""}
+    result = _cli("serve", "--db", sqlite_url, "--listen", "127.0.0.1:0", env=env)
+    assert result.returncode == 2
+    assert "needs a key" in result.stderr and "--key-file" in result.stderr
