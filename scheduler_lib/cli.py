@@ -163,6 +163,37 @@ def _routes(args: argparse.Namespace) -> int:
                     )
                 )
             _print_table(out)
+        connections = broker.fetch("transport_connection_list")
+        if connections:
+            print()
+            conn: list[tuple[str, ...]] = [
+                (
+                    "endpoint",
+                    "process",
+                    "direction",
+                    "peer",
+                    "peer broker",
+                    "since",
+                    "frames out/in",
+                    "corrupted",
+                    "carries",
+                )
+            ]
+            for c in connections:
+                conn.append(
+                    (
+                        c["endpoint_address"] or "-",
+                        f"{c['host_name']}:{c['process_id']}",
+                        c["direction"],
+                        c["peer_address"] or c["peer"],
+                        c["peer_broker"] or "-",
+                        _when(c["opened_at"]),
+                        f"{c['frames_sent']}/{c['frames_received']}",
+                        str(c["corrupted_frames"]),
+                        "yes" if c["carries_messages"] else "no",
+                    )
+                )
+            _print_table(conn)
         events = broker.fetch("transport_event_list", limit=args.limit)
         if events:
             print()

@@ -412,5 +412,27 @@ CREATE TABLE transport_events (
 
 CREATE INDEX ix_transport_events_occurred ON transport_events (occurred_at);
 
+CREATE TABLE transport_connections (
+    endpoint_id VARCHAR(36) NOT NULL, 
+    connection_number INTEGER NOT NULL, 
+    endpoint_address VARCHAR(256), 
+    host_name VARCHAR(256) NOT NULL, 
+    process_id INTEGER NOT NULL, 
+    direction VARCHAR(8) NOT NULL, 
+    peer VARCHAR(256) NOT NULL, 
+    peer_address VARCHAR(256), 
+    peer_broker VARCHAR(36), 
+    opened_at FLOAT NOT NULL, 
+    last_activity_at FLOAT NOT NULL, 
+    frames_sent BIGINT NOT NULL, 
+    frames_received BIGINT NOT NULL, 
+    bytes_sent BIGINT NOT NULL, 
+    bytes_received BIGINT NOT NULL, 
+    corrupted_frames BIGINT NOT NULL, 
+    carries_messages BOOLEAN NOT NULL, 
+    written_at FLOAT NOT NULL, 
+    PRIMARY KEY (endpoint_id, connection_number)
+);
+
 UPDATE broker_alembic_version SET version_num='0006' WHERE broker_alembic_version.version_num = '0005';
 

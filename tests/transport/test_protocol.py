@@ -339,6 +339,15 @@ def test_one_connection_per_peer_closed_when_idle_and_reopened_on_demand(
         assert outbound.peer_broker == b.broker_instance
         assert inbound.peer_broker == a.broker_instance
         assert outbound.frames_sent >= 1 and inbound.frames_sent >= 1
+        # ... and other processes see them in each broker's transport_connections
+        poll(
+            lambda: (
+                [(r["direction"], r["peer_broker"]) for r in b.fetch("transport_connection_list")]
+                == [("inbound", a.broker_instance)]
+            ),
+            10,
+            "B's connections view",
+        )
         # When nothing moves for longer than the idle timeout, it is closed
         ea.idle_timeout = eb.idle_timeout = 0.5
         poll(lambda: not ea.connections() and not eb.connections(), 10, "idle close")
@@ -347,6 +356,9 @@ def test_one_connection_per_peer_closed_when_idle_and_reopened_on_demand(
         [again] = receive(b, B_QUEUE, 1)
         assert again.body == b"again"
         assert len(ea.connections()) == 1
+    # When the endpoints stop, their rows of the view go with them
+    assert a.fetch("transport_connection_list") == []
+    assert b.fetch("transport_connection_list") == []
 
 
 def _handshake(endpoint: TransportEndpoint) -> tuple[socket.socket, bytes, bytes]:

@@ -971,3 +971,29 @@ VALUES (:now, :event_type, :peer, :detail);
 -- name: transport_event_list
 -- The newest transport events first.
 SELECT * FROM transport_events ORDER BY event_id DESC LIMIT :limit;
+
+-- name: transport_connections_clear
+-- An endpoint's connections are written anew (or it stopped).
+DELETE FROM transport_connections WHERE endpoint_id = :endpoint_id;
+
+-- name: transport_connection_insert
+-- One connection of a running endpoint.
+INSERT INTO transport_connections (
+    endpoint_id, connection_number, endpoint_address, host_name, process_id, direction,
+    peer, peer_address, peer_broker, opened_at, last_activity_at, frames_sent,
+    frames_received, bytes_sent, bytes_received, corrupted_frames, carries_messages,
+    written_at
+) VALUES (
+    :endpoint_id, :connection_number, :endpoint_address, :host_name, :process_id,
+    :direction, :peer, :peer_address, :peer_broker, :opened_at, :last_activity_at,
+    :frames_sent, :frames_received, :bytes_sent, :bytes_received, :corrupted_frames,
+    :carries_messages, :now
+);
+
+-- name: transport_connections_stale
+-- Rows of endpoints that stopped writing (a killed process): gone after :before.
+DELETE FROM transport_connections WHERE written_at < :before;
+
+-- name: transport_connection_list
+-- sys.dm_broker_connections: every running endpoint's connections.
+SELECT * FROM transport_connections ORDER BY endpoint_id, opened_at;

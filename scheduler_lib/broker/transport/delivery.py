@@ -496,6 +496,39 @@ def prune_closed(broker: Broker, now: float, retention: float = CLOSED_RETENTION
         return len(rows)
 
 
+def write_connections(
+    broker: Broker,
+    endpoint_id: str,
+    address: str | None,
+    connections: Sequence[Any],
+    now: float,
+    stale_after: float,
+) -> None:
+    """Replace a running endpoint's rows of ``transport_connections`` (and remove the
+    rows of endpoints that stopped writing ``stale_after`` seconds ago)."""
+    import os
+    import socket
+
+    rows = [
+        {
+            "endpoint_id": endpoint_id,
+            "connection_number": n,
+            "endpoint_address": address,
+            "host_name": socket.gethostname(),
+            "process_id": os.getpid(),
+            "now": now,
+            **dataclasses.asdict(c),
+        }
+        for n, c in enumerate(connections)
+    ]
+    with broker.transaction() as tx:
+        tx._execute("transport_connections_clear", endpoint_id=endpoint_id)
+        tx._execute("transport_connections_stale", before=now - stale_after)
+        if rows:
+            tx._store.execute_many(tx._conn(), "transport_connection_insert", rows)
+        tx._wrote = True
+
+
 def load_outgoing(broker: Broker, query: str, limit: int, **params: Any) -> list[dict[str, Any]]:
     """Outgoing messages (``outgoing_after`` past a cursor, or ``outgoing_upto``)."""
     with broker.transaction() as tx:

@@ -27,6 +27,7 @@ import secrets
 import ssl
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,8 @@ HANDSHAKE_MAX_BODY = 0  # a HELLO has no body: a large one is not a peer
 ROUTE_CACHE_TTL = 1.0  # seconds a route lookup is trusted
 TICK = 0.1  # seconds between looks for retransmissions and idle connections
 PRUNE_INTERVAL = 60.0  # seconds between removals of old closed remote endpoints
+CONNECTIONS_INTERVAL = 2.0  # seconds between writes of the connections view
+CONNECTIONS_STALE = 30.0  # seconds after which a silent endpoint's rows are removed
 WRITE_BUFFER_HIGH = 1024 * 1024  # bytes buffered on a socket before the writer waits
 
 
@@ -224,6 +227,9 @@ class TransportEndpoint:
         self._written_status: dict[int, str] = {}  # loader: last status it wrote per id
         self._route_cache: dict[str, tuple[float, routes.Route | None]] = {}
         self._unrouted: set[int] = set()  # loader: ids waiting for a route
+        self._endpoint_id = str(uuid.uuid4())  # this running endpoint, in the connections view
+        self._connections_written_at = 0.0
+        self._connections_shown = False
 
     # --- lifecycle (any thread) ----------------------------------------------------------
 
@@ -317,6 +323,8 @@ class TransportEndpoint:
                     link.dialing.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._flush_writes()
+            with contextlib.suppress(Exception):  # the view must not outlive us
+                await self._write_connections(time.time() + CONNECTIONS_INTERVAL)
 
     # --- the loader thread -------------------------------------------------------------
 
@@ -923,12 +931,33 @@ class TransportEndpoint:
                 # whose socket never reset. Another connection may do better.
                 await self._close(conn, f"nothing received for {stall:g} s with messages waiting")
         await self._flush_writes()
+        if now - self._connections_written_at >= CONNECTIONS_INTERVAL:
+            await self._write_connections(now)
         if now - last_prune > PRUNE_INTERVAL:
             last_prune = now
             await asyncio.get_running_loop().run_in_executor(
                 self._writes, delivery.prune_closed, self._broker, now
             )
         return last_prune
+
+    async def _write_connections(self, now: float) -> None:
+        """The connections view (``transport_connections``) for other processes: written
+        while there are connections, and once more when the last one has gone."""
+        infos = await self._snapshot()
+        if not infos and not self._connections_shown:
+            return
+        self._connections_written_at = now
+        self._connections_shown = bool(infos)
+        await asyncio.get_running_loop().run_in_executor(
+            self._writes,
+            delivery.write_connections,
+            self._broker,
+            self._endpoint_id,
+            self.address,
+            infos,
+            now,
+            CONNECTIONS_STALE,
+        )
 
     async def _flush_writes(self) -> None:
         """Write what the loop gathered: deletions of acknowledged messages, statuses,

@@ -12,6 +12,7 @@ tombstones of closed remote conversations.
   are unchanged (``is_outgoing`` false).
 - ``transport_fragments``: what arrived but cannot be delivered yet — fragments of a large
   message, or a message whose predecessor has not arrived. Durable, so it is acknowledged.
+- ``transport_connections`` shows each running endpoint's connections (written by it).
 - A remote conversation's endpoint is not deleted when it closes: it stays in state
   ``CD`` (``closed_at`` set) for a while, as SQL Server keeps closed endpoints, so a late
   retransmission is recognised as a duplicate instead of opening a new conversation.
@@ -101,9 +102,33 @@ def upgrade() -> None:
         ),
     )
     op.create_index("ix_transport_events_occurred", "transport_events", ["occurred_at"])
+    # sys.dm_broker_connections: each running endpoint writes its connections here every
+    # couple of seconds, so another process (scheduler-lib routes) can show them.
+    op.create_table(
+        "transport_connections",
+        sa.Column("endpoint_id", HANDLE, primary_key=True),  # one running endpoint
+        sa.Column("connection_number", sa.Integer, primary_key=True),
+        sa.Column("endpoint_address", sa.String(256)),
+        sa.Column("host_name", sa.String(256), nullable=False),
+        sa.Column("process_id", sa.Integer, nullable=False),
+        sa.Column("direction", sa.String(8), nullable=False),
+        sa.Column("peer", sa.String(256), nullable=False),
+        sa.Column("peer_address", sa.String(256)),
+        sa.Column("peer_broker", HANDLE),
+        sa.Column("opened_at", TIME, nullable=False),
+        sa.Column("last_activity_at", TIME, nullable=False),
+        sa.Column("frames_sent", sa.BigInteger, nullable=False),
+        sa.Column("frames_received", sa.BigInteger, nullable=False),
+        sa.Column("bytes_sent", sa.BigInteger, nullable=False),
+        sa.Column("bytes_received", sa.BigInteger, nullable=False),
+        sa.Column("corrupted_frames", sa.BigInteger, nullable=False),
+        sa.Column("carries_messages", sa.Boolean, nullable=False),
+        sa.Column("written_at", TIME, nullable=False),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("transport_connections")
     op.drop_table("transport_events")
     op.drop_table("transport_fragments")
     op.drop_index("ix_transmission_queue_outgoing", "transmission_queue")
