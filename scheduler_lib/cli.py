@@ -87,13 +87,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     with contextlib.ExitStack() as stack:
         broker = stack.enter_context(Broker(args.db))
-        if args.listen is not None:
-            endpoint = stack.enter_context(_transport_endpoint(broker, args))
-            print(
-                f"transport endpoint of broker {endpoint.broker_instance} listening at "
-                f"{endpoint.address}",
-                flush=True,
-            )
+        if args.listen is not None:  # it logs where it listens
+            stack.enter_context(_transport_endpoint(broker, args))
         # Spark target queues are served by `scheduler-lib worker` (readers need its session).
         rt = stack.enter_context(
             activation.running(broker, reader_mode=args.readers, skip_procedures={SPARK_PROCEDURE})
