@@ -1,0 +1,848 @@
+"""The four workloads, one function per (workload, system); each returns one measurement's
+raw figures after checking the work was done (a broken run raises, no figure).
+
+Timestamps are ``time.time()`` on this machine, taken by the handlers (peers), by our
+executor (``execution_log.start_time`` / ``end_time``), or by the database's ``now()`` of
+the transaction that marked a job complete (procrastinate's ``succeeded`` event,
+pgqueuer's ``successful`` log row).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from bench.broker_throughput import MESSAGE_TYPE, log, percentile
+from bench.peers import systems
+from bench.peers.systems import (
+    OURS_HANDLES,
+    POLL,
+    WorkerProcess,
+    body,
+    check_exactly_once,
+    fresh_db,
+    jitter,
+    scalar,
+    wait_until,
+)
+from bench.peers.worker import TASK_QUEUE
+
+DRAIN_TIMEOUT = 300.0  # seconds a workload-1 run may take to drain
+
+
+def no_op() -> Any:
+    from scheduler_lib.scheduler import Task
+
+    return Task.python("builtins:abs", 1, name="no-op")
+
+
+# --- workload 1: queue throughput -------------------------------------------------------
+
+
+def queue_run(system: str, n: int, batch: int, concurrency: int) -> dict[str, Any]:
+    """Enqueue ``n`` messages (``batch`` per enqueue call) while ``concurrency`` consumers
+    dequeue ``batch`` at a time and complete them; msgs/s from the first enqueue to the
+    last completion. Every message checked handled exactly once."""
+    tags = [str(i) for i in range(n)]
+    with fresh_db(system) as url:
+        worker = WorkerProcess.peer(system, url, "queue", top=batch, concurrency=concurrency)
+        try:
+            first, produced = PRODUCERS[system](url, tags, batch)
+            wait_until(lambda: REMAINING[system](url) == 0, DRAIN_TIMEOUT, f"{system} drain")
+        finally:
+            records = worker.stop()
+        check_exactly_once([r[0] for r in records], set(tags), f"{system} queue batch {batch}")
+        last = LAST_COMPLETION.get(system, lambda url, records: max(r[2] for r in records))(
+            url, records
+        )
+    seconds = last - first
+    return {
+        "messages": n,
+        "seconds": round(seconds, 3),
+        "messages_per_s": round(n / seconds, 1),
+        "enqueue_seconds": round(produced - first, 3),
+        "verified": f"{n} enqueued, {n} handled exactly once",
+    }
+
+
+def produce_ours(url: str, tags: list[str], batch: int) -> tuple[float, float]:
+    from scheduler_lib.broker import Broker
+
+    handles = OURS_HANDLES
+    with Broker(url, migrate=False, timers=False) as broker:
+        first = time.time()
+        if batch == 1:
+            for i, tag in enumerate(tags):
+                broker.send(handles[i % len(handles)], MESSAGE_TYPE, body(tag).encode())
+        else:
+            for j, start in enumerate(range(0, len(tags), batch)):
+                bodies = [body(t).encode() for t in tags[start : start + batch]]
+                broker.send_many(handles[j % len(handles)], MESSAGE_TYPE, bodies)
+        return first, time.time()
+
+
+def produce_raw(url: str, tags: list[str], batch: int) -> tuple[float, float]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        first = time.time()
+        if batch == 1:
+            for tag in tags:
+                conn.execute("INSERT INTO bench_raw (body) VALUES (%s)", (body(tag).encode(),))
+        else:
+            for start in range(0, len(tags), batch):
+                bodies = [body(t).encode() for t in tags[start : start + batch]]
+                conn.execute("INSERT INTO bench_raw (body) SELECT unnest(%s::bytea[])", (bodies,))
+        return first, time.time()
+
+
+def produce_procrastinate(url: str, tags: list[str], batch: int) -> tuple[float, float]:
+    from bench.peers.worker import procrastinate_app
+
+    async def go() -> tuple[float, float]:
+        app = procrastinate_app(url)
+        async with app.open_async():
+            deferrer = app.configure_task("noop")
+            first = time.time()
+            if batch == 1:
+                for tag in tags:
+                    await deferrer.defer_async(body=body(tag))
+            else:
+                for start in range(0, len(tags), batch):
+                    await deferrer.batch_defer_async(
+                        *({"body": body(t)} for t in tags[start : start + batch])
+                    )
+            return first, time.time()
+
+    return asyncio.run(go())
+
+
+def produce_pgqueuer(url: str, tags: list[str], batch: int) -> tuple[float, float]:
+    async def go() -> tuple[float, float]:
+        import asyncpg
+        from pgqueuer import AsyncpgDriver, Queries
+
+        conn = await asyncpg.connect(url)
+        queries = Queries(AsyncpgDriver(conn))
+        first = time.time()
+        if batch == 1:
+            for tag in tags:
+                await queries.enqueue("noop", body(tag).encode())
+        else:
+            for start in range(0, len(tags), batch):
+                chunk = tags[start : start + batch]
+                await queries.enqueue(
+                    ["noop"] * len(chunk), [body(t).encode() for t in chunk], [0] * len(chunk)
+                )
+        produced = time.time()
+        await conn.close()
+        return first, produced
+
+    return asyncio.run(go())
+
+
+PRODUCERS = {
+    "ours": produce_ours,
+    "raw": produce_raw,
+    "procrastinate": produce_procrastinate,
+    "pgqueuer": produce_pgqueuer,
+}
+REMAINING = {
+    "ours": lambda url: scalar(
+        url, "SELECT count(*) FROM queue_messages WHERE queue_name = %s", systems.TARGET_QUEUE
+    ),
+    "raw": lambda url: scalar(url, "SELECT count(*) FROM bench_raw"),
+    "procrastinate": lambda url: scalar(
+        url, "SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing')"
+    ),
+    # completed jobs leave the table when the worker's status buffer flushes
+    "pgqueuer": lambda url: scalar(url, "SELECT count(*) FROM pgqueuer"),
+}
+
+
+def last_procrastinate(url: str, records: list[Any]) -> float:
+    done, last = psycopg.connect(url, autocommit=True).execute(
+        "SELECT count(*), extract(epoch FROM max(at)) FROM procrastinate_events "
+        "WHERE type = 'succeeded'"
+    ).fetchone()
+    if done != len(records):
+        raise RuntimeError(f"procrastinate: {done} succeeded events for {len(records)} jobs")
+    return float(last)
+
+
+def last_pgqueuer(url: str, records: list[Any]) -> float:
+    done, last = psycopg.connect(url, autocommit=True).execute(
+        "SELECT count(*), extract(epoch FROM max(created)) FROM pgqueuer_log "
+        "WHERE status = 'successful'"
+    ).fetchone()
+    if done != len(records):
+        raise RuntimeError(f"pgqueuer: {done} successful log rows for {len(records)} jobs")
+    return float(last)
+
+
+LAST_COMPLETION = {"procrastinate": last_procrastinate, "pgqueuer": last_pgqueuer}
+
+
+# --- workload 2: waves ------------------------------------------------------------------
+
+
+def waves_run(
+    system: str, waves: int, size: int, repeats: int, ctx: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """``repeats`` runs of ``waves`` waves of ``size`` no-op tasks on 4 workers, the next
+    wave sent once the caller saw the previous complete. Per run: makespan (the caller's
+    wall time) and the timestamps of every task, checked: each task ran exactly once, no
+    task of wave k+1 started before the last of wave k ended."""
+    runs = WAVES[system](waves, size, repeats, ctx)
+    out = []
+    for makespan, tasks in runs:
+        by_wave: dict[int, list[tuple[float, float]]] = {}
+        for wave, start, end in tasks:
+            by_wave.setdefault(wave, []).append((start, end))
+        if sorted(by_wave) != list(range(waves)) or any(
+            len(v) != size for v in by_wave.values()
+        ):
+            raise RuntimeError(
+                f"{system} waves: tasks per wave {[len(by_wave.get(k, [])) for k in range(waves)]}"
+            )
+        gaps = []
+        for k in range(1, waves):
+            last_end = max(e for _, e in by_wave[k - 1])
+            first_start = min(s for s, _ in by_wave[k])
+            if first_start < last_end:
+                raise RuntimeError(
+                    f"{system} waves: wave {k + 1} started {1000 * (last_end - first_start):.1f}"
+                    f" ms before wave {k} ended"
+                )
+            gaps.append(first_start - last_end)
+        out.append(
+            {
+                "makespan_s": round(makespan, 4),
+                # last task of wave k ended -> first task of wave k+1 started, mean over
+                # the wave boundaries: completion seen by the caller, next wave sent, taken
+                "sync_overhead_ms": round(1000 * statistics.mean(gaps), 2),
+                "sync_overhead_ms_each": [round(1000 * g, 2) for g in gaps],
+            }
+        )
+    return out
+
+
+def waves_ours(waves: int, size: int, repeats: int, ctx: dict[str, Any]) -> list[Any]:
+    from scheduler_lib.broker import Broker
+    from scheduler_lib.scheduler import TaskScheduler
+
+    task = no_op()
+    runs = []
+    with fresh_db("ours") as url:
+        worker = WorkerProcess.peer("ours", url, "tasks", concurrency=ctx["workers"])
+        try:
+            with Broker(url, migrate=False) as broker:
+                scheduler = TaskScheduler(broker)
+                scheduler.run_waves([[task] * 20] * 2)  # warm-up
+                for _ in range(repeats):
+                    started = time.monotonic()
+                    report = scheduler.run_waves([[task] * size] * waves)
+                    makespan = time.monotonic() - started
+                    if not report.ok:
+                        raise RuntimeError(f"ours waves: failures {report.failures}")
+                    with psycopg.connect(url, autocommit=True) as conn:
+                        rows = conn.execute(
+                            "SELECT wave, start_time, end_time, status, attempts FROM "
+                            "execution_log WHERE scheduler_handle = %s",
+                            (str(report.scheduler_handle),),
+                        ).fetchall()
+                    bad = [r for r in rows if r[3] != "SUCCEEDED" or r[4] != 1]
+                    if bad or len(rows) != waves * size:
+                        raise RuntimeError(f"ours waves: {len(rows)} rows, {len(bad)} not once")
+                    runs.append((makespan, [(r[0], r[1], r[2]) for r in rows]))
+        finally:
+            worker.stop()
+    return runs
+
+
+def waves_celery(waves: int, size: int, repeats: int, ctx: dict[str, Any]) -> list[Any]:
+    from celery import group
+
+    module = ctx["celery"]
+    worker = systems.celery_worker(ctx["redis_url"], ctx["workers"], ctx["celery_prefetch"])
+    runs = []
+    try:
+        systems.celery_ready(module, worker)
+        group(module.noop.s(f"warm:{i}") for i in range(20)).apply_async().get(timeout=60)
+        for r in range(repeats):
+            tasks = []
+            started = time.monotonic()
+            for k in range(waves):
+                results = (
+                    group(module.noop.s(f"{r}:{k}:{i}") for i in range(size))
+                    .apply_async()
+                    .get(timeout=60)
+                )
+                check_exactly_once(
+                    [x[0] for x in results], {f"{r}:{k}:{i}" for i in range(size)}, "celery wave"
+                )
+                tasks.extend((k, x[1], x[2]) for x in results)
+            runs.append((time.monotonic() - started, tasks))
+    finally:
+        worker.stop()
+        ctx["redis_flush"]()
+    return runs
+
+
+def waves_procrastinate(waves: int, size: int, repeats: int, ctx: dict[str, Any]) -> list[Any]:
+    from bench.peers.worker import procrastinate_app
+
+    with fresh_db("procrastinate") as url:
+        worker = WorkerProcess.peer("procrastinate", url, "tasks", concurrency=ctx["workers"])
+        makespans: list[float] = []
+        try:
+
+            async def wave(app: Any, queue: str, tags: list[str]) -> None:
+                deferrer = app.configure_task("noop", queue=queue)
+                await deferrer.batch_defer_async(*({"body": body(t)} for t in tags))
+                while True:  # poll the jobs' status: procrastinate has no completion wait
+                    jobs = list(await app.job_manager.list_jobs_async(queue=queue))
+                    statuses = {j.status for j in jobs}
+                    if statuses == {"succeeded"} and len(jobs) == len(tags):
+                        return
+                    if statuses - {"todo", "doing", "succeeded"}:
+                        raise RuntimeError(f"procrastinate wave: statuses {statuses}")
+                    await asyncio.sleep(POLL)
+
+            async def go() -> None:
+                app = procrastinate_app(url)
+                async with app.open_async():
+                    await wave(app, "warm", [f"warm:{i}" for i in range(20)])
+                    for r in range(repeats):
+                        started = time.monotonic()
+                        for k in range(waves):
+                            await wave(app, f"w{r}_{k}", [f"{r}:{k}:{i}" for i in range(size)])
+                        makespans.append(time.monotonic() - started)
+
+            asyncio.run(go())
+        finally:
+            records = worker.stop()
+    return tasks_by_run(records, waves, size, makespans, "procrastinate")
+
+
+def waves_pgqueuer(waves: int, size: int, repeats: int, ctx: dict[str, Any]) -> list[Any]:
+    with fresh_db("pgqueuer") as url:
+        worker = WorkerProcess.peer("pgqueuer", url, "tasks", concurrency=ctx["workers"])
+        makespans: list[float] = []
+        try:
+
+            async def go() -> None:
+                import asyncpg
+                from pgqueuer import AsyncpgDriver, Queries
+                from pgqueuer.core.completion import CompletionWatcher
+
+                conn = await asyncpg.connect(url)
+                driver = AsyncpgDriver(conn)
+                queries = Queries(driver)
+                async with CompletionWatcher(
+                    driver, queries=queries, debounce=systems.PGQ_DEBOUNCE
+                ) as watcher:
+
+                    async def wave(tags: list[str]) -> None:
+                        ids = await queries.enqueue(
+                            ["noop"] * len(tags), [body(t).encode() for t in tags], [0] * len(tags)
+                        )
+                        statuses = await asyncio.gather(*(watcher.wait_for(j) for j in ids))
+                        if set(statuses) != {"successful"}:
+                            raise RuntimeError(f"pgqueuer wave: statuses {set(statuses)}")
+
+                    await wave([f"warm:{i}" for i in range(20)])
+                    for r in range(repeats):
+                        started = time.monotonic()
+                        for k in range(waves):
+                            await wave([f"{r}:{k}:{i}" for i in range(size)])
+                        makespans.append(time.monotonic() - started)
+                await conn.close()
+
+            asyncio.run(go())
+        finally:
+            records = worker.stop()
+    return tasks_by_run(records, waves, size, makespans, "pgqueuer")
+
+
+def tasks_by_run(
+    records: list[Any], waves: int, size: int, makespans: list[float], system: str
+) -> list[Any]:
+    """The handler records of a peer's waves, checked exactly once, grouped by run."""
+    expected = {f"warm:{i}" for i in range(20)} | {
+        f"{r}:{k}:{i}" for r in range(len(makespans)) for k in range(waves) for i in range(size)
+    }
+    check_exactly_once([r[0] for r in records], expected, f"{system} waves")
+    runs: list[list[tuple[int, float, float]]] = [[] for _ in makespans]
+    for tag, start, end in records:
+        if not tag.startswith("warm"):
+            r, k, _ = tag.split(":")
+            runs[int(r)].append((int(k), start, end))
+    return list(zip(makespans, runs, strict=True))
+
+
+WAVES = {
+    "ours": waves_ours,
+    "celery": waves_celery,
+    "procrastinate": waves_procrastinate,
+    "pgqueuer": waves_pgqueuer,
+}
+
+
+# --- workload 3: dispatch latency -------------------------------------------------------
+
+
+def dispatch_run(system: str, samples: int, ctx: dict[str, Any]) -> list[float]:
+    """With idle workers, one task at a time: ms from the enqueue call to the handler's
+    start, ``samples`` of them after 10 warm-up tasks; each waited for before the next."""
+    return DISPATCH[system](samples, ctx)
+
+
+WARM_DISPATCH = 10
+
+
+def dispatch_ours(samples: int, ctx: dict[str, Any]) -> list[float]:
+    from scheduler_lib.broker import Broker
+    from scheduler_lib.scheduler import TaskScheduler
+
+    task = no_op()
+    sent: list[tuple[int, float]] = []
+    with fresh_db("ours") as url:
+        worker = WorkerProcess.peer("ours", url, "tasks", concurrency=ctx["workers"])
+        try:
+            with Broker(url, migrate=False) as broker:
+                scheduler = TaskScheduler(broker)
+                with scheduler.scheduler() as handle:
+                    for i in range(WARM_DISPATCH + samples):
+                        jitter()
+                        called = time.time()
+                        log_id = scheduler.exec_async(handle, task)
+                        done = scheduler.synchronization(handle, timeout=30)
+                        if not done.ok or done.log_id != log_id:
+                            raise RuntimeError(f"ours dispatch: {done}")
+                        if i >= WARM_DISPATCH:
+                            sent.append((log_id, called))
+            with psycopg.connect(url, autocommit=True) as conn:
+                starts = dict(
+                    conn.execute(
+                        "SELECT log_id, start_time FROM execution_log WHERE status = "
+                        "'SUCCEEDED' AND attempts = 1"
+                    ).fetchall()
+                )
+        finally:
+            worker.stop()
+    if len(starts) != WARM_DISPATCH + samples:
+        raise RuntimeError(f"ours dispatch: {len(starts)} tasks ran once")
+    return [1000 * (starts[log_id] - called) for log_id, called in sent]
+
+
+def dispatch_celery(samples: int, ctx: dict[str, Any]) -> list[float]:
+    module = ctx["celery"]
+    worker = systems.celery_worker(ctx["redis_url"], ctx["workers"], ctx["celery_prefetch"])
+    out = []
+    try:
+        systems.celery_ready(module, worker)
+        for i in range(WARM_DISPATCH + samples):
+            jitter()
+            called = time.time()
+            tag, start, _ = module.noop.apply_async(args=[str(i)]).get(timeout=30)
+            if tag != str(i):
+                raise RuntimeError(f"celery dispatch: got {tag} for {i}")
+            if i >= WARM_DISPATCH:
+                out.append(1000 * (start - called))
+    finally:
+        worker.stop()
+        ctx["redis_flush"]()
+    return out
+
+
+def dispatch_procrastinate(samples: int, ctx: dict[str, Any]) -> list[float]:
+    from bench.peers.worker import procrastinate_app
+
+    called: dict[str, float] = {}
+    with fresh_db("procrastinate") as url:
+        worker = WorkerProcess.peer("procrastinate", url, "tasks", concurrency=ctx["workers"])
+        try:
+
+            async def go() -> None:
+                app = procrastinate_app(url)
+                async with app.open_async():
+                    deferrer = app.configure_task("noop")
+                    for i in range(WARM_DISPATCH + samples):
+                        await asyncio.sleep(jitter_s())
+                        called[str(i)] = time.time()
+                        job_id = await deferrer.defer_async(body=body(str(i)))
+                        while True:
+                            status = await app.job_manager.get_job_status_async(job_id)
+                            if status.value == "succeeded":
+                                break
+                            if status.value not in ("todo", "doing"):
+                                raise RuntimeError(f"procrastinate dispatch: {status}")
+                            await asyncio.sleep(POLL)
+
+            asyncio.run(go())
+        finally:
+            records = worker.stop()
+    return latencies(records, called, "procrastinate")
+
+
+def dispatch_pgqueuer(samples: int, ctx: dict[str, Any]) -> list[float]:
+    called: dict[str, float] = {}
+    with fresh_db("pgqueuer") as url:
+        worker = WorkerProcess.peer("pgqueuer", url, "tasks", concurrency=ctx["workers"])
+        try:
+
+            async def go() -> None:
+                import asyncpg
+                from pgqueuer import AsyncpgDriver, Queries
+                from pgqueuer.core.completion import CompletionWatcher
+
+                conn = await asyncpg.connect(url)
+                driver = AsyncpgDriver(conn)
+                queries = Queries(driver)
+                async with CompletionWatcher(
+                    driver, queries=queries, debounce=systems.PGQ_DEBOUNCE
+                ) as watcher:
+                    for i in range(WARM_DISPATCH + samples):
+                        await asyncio.sleep(jitter_s())
+                        called[str(i)] = time.time()
+                        [job_id] = await queries.enqueue("noop", body(str(i)).encode())
+                        status = await watcher.wait_for(job_id)
+                        if status != "successful":
+                            raise RuntimeError(f"pgqueuer dispatch: {status}")
+                await conn.close()
+
+            asyncio.run(go())
+        finally:
+            records = worker.stop()
+    return latencies(records, called, "pgqueuer")
+
+
+def jitter_s() -> float:
+    import random
+
+    return random.uniform(0.02, 0.04)
+
+
+def latencies(records: list[Any], called: dict[str, float], system: str) -> list[float]:
+    check_exactly_once([r[0] for r in records], set(called), f"{system} dispatch")
+    starts = {r[0]: r[1] for r in records}
+    return [
+        1000 * (starts[tag] - t0) for tag, t0 in called.items() if int(tag) >= WARM_DISPATCH
+    ]
+
+
+DISPATCH = {
+    "ours": dispatch_ours,
+    "celery": dispatch_celery,
+    "procrastinate": dispatch_procrastinate,
+    "pgqueuer": dispatch_pgqueuer,
+}
+
+
+# --- workload 4: scale ------------------------------------------------------------------
+
+PRELOAD_SQL = {
+    # ours: a finished task leaves its execution_log row; its conversation's endpoints,
+    # groups, messages and leases are deleted once both sides ended (nothing else stays)
+    "ours": [
+        """INSERT INTO execution_log (caller_id, scheduler_handle, target_service, wave,
+            task_name, task_kind, task_body, worker_id, sent_at, start_time, end_time,
+            status, result, attempts)
+        SELECT 'bench-host:1:MainThread', md5((g / 250)::text)::uuid::text,
+            'ServiceAsyncTarget', (g / 50) %% 5, 'no-op', 'python', %(task)s,
+            'bench-host:2:reader-' || (g %% 4), t, t + 0.002, t + 0.003, 'SUCCEEDED', '1', 1
+        FROM generate_series(1, %(n)s) g,
+            LATERAL (SELECT extract(epoch FROM now()) - 86400 + g * 0.01 AS t) x""",
+    ],
+    # procrastinate keeps succeeded jobs (delete_jobs="never", its default) and their
+    # deferred/started/succeeded events
+    "procrastinate": [
+        """INSERT INTO procrastinate_jobs (queue_name, task_name, priority, args, status,
+            attempts)
+        SELECT 'default', 'noop', 0, jsonb_build_object('body', g || '|' || repeat('x', 93)),
+            'succeeded', 1
+        FROM generate_series(1, %(n)s) g""",
+        """INSERT INTO procrastinate_events (job_id, type, at)
+        SELECT j.id, e.type::procrastinate_job_event_type, now() - interval '1 day'
+        FROM procrastinate_jobs j,
+            unnest(ARRAY['deferred', 'started', 'succeeded']) e(type)""",
+    ],
+    # pgqueuer deletes a finished job from its queue table and keeps its log rows
+    # (queued, picked, successful), folded into per-second statistics (aggregated = true)
+    "pgqueuer": [
+        """INSERT INTO pgqueuer_log (created, job_id, status, priority, entrypoint,
+            aggregated)
+        SELECT now() - interval '1 day' + g * interval '1 ms', g, s::pgqueuer_status, 0,
+            'noop', true
+        FROM generate_series(1, %(n)s) g,
+            unnest(ARRAY['queued', 'picked', 'successful']) s""",
+        """INSERT INTO pgqueuer_statistics (created, count, priority, status, entrypoint)
+        SELECT date_trunc('sec', now() - interval '1 day') + b * interval '1 sec', 1000, 0,
+            s::pgqueuer_status, 'noop'
+        FROM generate_series(0, %(n)s / 1000) b,
+            unnest(ARRAY['queued', 'picked', 'successful']) s""",
+        "SELECT setval('pgqueuer_id_seq', %(n)s)",
+    ],
+}
+CELERY_PRELOAD = """
+for i = tonumber(ARGV[1]), tonumber(ARGV[2]) do
+  redis.call('SET', 'celery-task-meta-' .. string.format('%08d', i) .. ARGV[3],
+    string.format(ARGV[4], i), 'EX', 86400)
+end
+return 1
+"""
+CELERY_RESULT = (
+    '{"status": "SUCCESS", "result": ["%d", 1.0, 1.0], "traceback": null, "children": [], '
+    '"date_done": "2026-11-24T00:00:00.000000+00:00", "task_id": "x"}'
+)
+
+
+def preload(system: str, url: str, n: int) -> dict[str, Any]:
+    """``n`` completed items in ``system``'s real completed form, set-based; VACUUM
+    ANALYZE. Returns the row counts (checked)."""
+    import json
+
+    task_json = json.dumps(no_op().to_dict())
+    started = time.monotonic()
+    with psycopg.connect(url, autocommit=True) as conn:
+        for sql in PRELOAD_SQL[system]:
+            conn.execute(sql, {"n": n, "task": task_json})
+        counts = {
+            "ours": {
+                "execution_log_succeeded": "SELECT count(*) FROM execution_log "
+                "WHERE status = 'SUCCEEDED'"
+            },
+            "procrastinate": {
+                "jobs_succeeded": "SELECT count(*) FROM procrastinate_jobs "
+                "WHERE status = 'succeeded'",
+                "events": "SELECT count(*) FROM procrastinate_events",
+            },
+            "pgqueuer": {
+                "log_successful": "SELECT count(*) FROM pgqueuer_log WHERE status = 'successful'",
+                "log_rows": "SELECT count(*) FROM pgqueuer_log",
+            },
+        }[system]
+        rows = {k: conn.execute(q).fetchone()[0] for k, q in counts.items()}
+        conn.execute("VACUUM ANALYZE")
+    first = next(iter(rows.values()))
+    if first != n:
+        raise RuntimeError(f"{system} preload: {rows}, expected {n}")
+    return {"rows": rows, "seconds": round(time.monotonic() - started, 1)}
+
+
+class Cycle:
+    """One system's enqueue (untimed) + dequeue-and-complete (timed) on one database."""
+
+    def __init__(self, system: str, url: str) -> None:
+        self.system, self.url = system, url
+
+    def __enter__(self) -> Cycle:
+        getattr(self, f"open_{self.system}")()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        getattr(self, f"close_{self.system}")()
+
+    def timed(self) -> float:
+        """ms for the dequeue + complete of one ready item."""
+        return getattr(self, f"cycle_{self.system}")()
+
+    # ours: exec_async, then time Executor.run_one (take + start + run + AsyncDone +
+    # log end); synchronization after it (untimed)
+    def open_ours(self) -> None:
+        from scheduler_lib.broker import Broker
+        from scheduler_lib.scheduler import Executor, TaskScheduler
+
+        self.broker = Broker(self.url, migrate=False)
+        self.scheduler = TaskScheduler(self.broker)
+        self.executor = Executor(self.broker, TASK_QUEUE, idle_timeout=3600)
+        self.handle = self.scheduler.get_scheduler()
+        self.task = no_op()
+
+    def cycle_ours(self) -> float:
+        self.scheduler.exec_async(self.handle, self.task)
+        t0 = time.perf_counter()
+        if not self.executor.run_one(timeout=0):
+            raise RuntimeError("ours scale: run_one found no task")
+        elapsed = 1000 * (time.perf_counter() - t0)
+        if not self.scheduler.synchronization(self.handle, timeout=10).ok:
+            raise RuntimeError("ours scale: task failed")
+        return elapsed
+
+    def close_ours(self) -> None:
+        self.scheduler.release_scheduler(self.handle)
+        self.broker.close()
+
+    # procrastinate: defer, then time fetch_job + finish_job(succeeded) (what its worker
+    # does around a job)
+    def open_procrastinate(self) -> None:
+        from bench.peers.worker import procrastinate_app
+
+        self.loop = asyncio.new_event_loop()
+        self.app = procrastinate_app(self.url)
+        self.loop.run_until_complete(self.app.open_async().__aenter__())
+        self.deferrer = self.app.configure_task("noop")
+        self.worker_id = self.loop.run_until_complete(self.app.job_manager.register_worker())
+
+    def cycle_procrastinate(self) -> float:
+        from procrastinate.jobs import Status
+
+        async def go() -> float:
+            await self.deferrer.defer_async(body=body("x"))
+            t0 = time.perf_counter()
+            job = await self.app.job_manager.fetch_job(queues=None, worker_id=self.worker_id)
+            if job is None:
+                raise RuntimeError("procrastinate scale: fetch_job found no job")
+            await self.app.job_manager.finish_job(job, Status.SUCCEEDED, delete_job=False)
+            return 1000 * (time.perf_counter() - t0)
+
+        return self.loop.run_until_complete(go())
+
+    def close_procrastinate(self) -> None:
+        self.loop.run_until_complete(self.app.close_async())
+        self.loop.close()
+
+    # pgqueuer: enqueue, then time dequeue(batch_size=1) + log_jobs(successful)
+    def open_pgqueuer(self) -> None:
+        import asyncpg
+        from pgqueuer import AsyncpgDriver, Queries
+
+        self.loop = asyncio.new_event_loop()
+        self.conn = self.loop.run_until_complete(asyncpg.connect(self.url))
+        self.queries = Queries(AsyncpgDriver(self.conn))
+        self.qm_id = uuid.uuid4()
+
+    def cycle_pgqueuer(self) -> float:
+        from pgqueuer.ports.repository import EntrypointExecutionParameter
+
+        async def go() -> float:
+            await self.queries.enqueue("noop", body("x").encode())
+            t0 = time.perf_counter()
+            jobs = await self.queries.dequeue(
+                batch_size=1,
+                entrypoints={"noop": EntrypointExecutionParameter(concurrency_limit=0)},
+                queue_manager_id=self.qm_id,
+                global_concurrency_limit=None,
+                heartbeat_timeout=timedelta(seconds=30),
+            )
+            if len(jobs) != 1:
+                raise RuntimeError(f"pgqueuer scale: dequeue returned {len(jobs)} jobs")
+            await self.queries.log_jobs([(jobs[0], "successful", None)])
+            return 1000 * (time.perf_counter() - t0)
+
+        return self.loop.run_until_complete(go())
+
+    def close_pgqueuer(self) -> None:
+        self.loop.run_until_complete(self.conn.close())
+        self.loop.close()
+
+    # celery: publish, then time the worker's part: get the message from the Redis list
+    # (kombu basic_get), ack it, store the result in the backend
+    def open_celery(self) -> None:
+        from celery import Celery
+
+        self.app = Celery("bench_scale", broker=self.url, backend=self.url)
+        self.app.conf.update(task_default_queue="bench")
+        self.conn = self.app.connection_for_read()
+        self.channel = self.conn.default_channel
+
+    def cycle_celery(self) -> float:
+        result = self.app.send_task("noop", args=["x"])
+        t0 = time.perf_counter()
+        message = self.channel.basic_get("bench", no_ack=False)
+        if message is None:
+            raise RuntimeError("celery scale: no message")
+        message.ack()
+        self.app.backend.store_result(message.headers["id"], ["x", 0, 0], "SUCCESS")
+        elapsed = 1000 * (time.perf_counter() - t0)
+        if message.headers["id"] != result.id:
+            raise RuntimeError("celery scale: got another task")
+        return elapsed
+
+    def close_celery(self) -> None:
+        self.conn.release()
+
+
+def scale_run(
+    system: str, retained: int, samples: int, ctx: dict[str, Any]
+) -> dict[str, Any]:
+    """The dequeue-and-complete cost with ``retained`` completed items kept vs none: two
+    stores set up alike, one preloaded; timed cycles alternate between them pair by pair
+    (A B B A ...) so that drift hits both alike."""
+    with contextlib_two(system, ctx) as (url_none, url_with):
+        build = preload_any(system, url_with, retained, ctx)
+        if system != "celery":
+            with psycopg.connect(url_none, autocommit=True) as conn:
+                conn.execute("VACUUM ANALYZE")
+            with psycopg.connect(systems.ADMIN_URL, autocommit=True) as conn:
+                conn.execute("CHECKPOINT")
+        none_ms: list[float] = []
+        with_ms: list[float] = []
+        with Cycle(system, url_none) as a, Cycle(system, url_with) as b:
+            sides = [(a, none_ms), (b, with_ms)]
+            for _ in range(30):  # warm-up
+                a.timed()
+                b.timed()
+            for i in range(samples):
+                for cycle, times in sides if i % 2 == 0 else reversed(sides):
+                    times.append(cycle.timed())
+    med_none, med_with = statistics.median(none_ms), statistics.median(with_ms)
+    return {
+        "retained": retained,
+        "samples_each": samples,
+        "build": build,
+        "ms_none": round(med_none, 3),
+        "ms_retained": round(med_with, 3),
+        "p90_ms_none": round(percentile(none_ms, 90), 3),
+        "p90_ms_retained": round(percentile(with_ms, 90), 3),
+        "ratio": round(med_with / med_none, 3),
+    }
+
+
+class contextlib_two:  # noqa: N801 - used as a context manager
+    """Two fresh stores of ``system``: PostgreSQL databases, or Redis databases."""
+
+    def __init__(self, system: str, ctx: dict[str, Any]) -> None:
+        self.system, self.ctx = system, ctx
+        import contextlib
+
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> tuple[str, str]:
+        if self.system == "celery":
+            redis = self.ctx["redis"]
+            return (
+                self.stack.enter_context(redis.database()),
+                self.stack.enter_context(redis.database()),
+            )
+        return (
+            self.stack.enter_context(fresh_db(self.system)),
+            self.stack.enter_context(fresh_db(self.system)),
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+
+def preload_any(system: str, url: str, n: int, ctx: dict[str, Any]) -> dict[str, Any]:
+    if system != "celery":
+        return preload(system, url, n)
+    import redis
+
+    started = time.monotonic()
+    client = redis.Redis.from_url(url)
+    script = client.register_script(CELERY_PRELOAD)
+    chunk = 100_000
+    for start in range(1, n + 1, chunk):
+        script(args=[start, min(n, start + chunk - 1), "-" + uuid.uuid4().hex, CELERY_RESULT])
+    keys = client.dbsize() - 1  # the claim key of systems.Redis.database
+    client.close()
+    if keys != n:
+        raise RuntimeError(f"celery preload: {keys} keys, expected {n}")
+    log(f"celery: {n} result keys preloaded")
+    return {"rows": {"result_keys": keys}, "seconds": round(time.monotonic() - started, 1)}
