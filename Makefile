@@ -1,10 +1,12 @@
 # Everything runs in .venv, created on first use with the pinned versions in constraints.txt.
 PYTHON ?= python3
 VENV := .venv
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-quick lint bench sql clean demo
+.PHONY: venv test test-quick lint bench bench-venv bench-components sql clean demo
 
 venv: $(STAMP)
 
@@ -29,8 +31,27 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-## Benchmarks on the local PostgreSQL; figures are appended to docs/benchmarks.md.
-bench: $(STAMP)
+## The peers side by side (issue 10): scheduler_lib vs procrastinate, pgqueuer, Celery and the
+## raw SKIP LOCKED ceiling on the local PostgreSQL and Redis, < 15 min; writes bench/results/
+## and the peers block of docs/benchmarks.md. `.venv-bench/bin/python -m bench.peers --quick`
+## is a ~2 min smoke run.
+bench: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python -m bench.peers
+
+## The peers' environment: our package (no extras, pinned by constraints.txt) and the peers at
+## the exact versions of bench/requirements-peers.txt. They are installed without
+## constraints.txt: Celery 5.7 pins python-dateutil 2.9, constraints.txt has Airflow's 4.0.
+bench-venv: $(BENCH_STAMP)
+
+$(BENCH_STAMP): pyproject.toml constraints.txt bench/requirements-peers.txt
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt -e .
+	$(BENCH_VENV)/bin/python -m pip install --quiet -r bench/requirements-peers.txt
+	touch $(BENCH_STAMP)
+
+## Component benchmarks on the local PostgreSQL; figures are appended to docs/benchmarks.md.
+bench-components: $(STAMP)
 	$(PY) -m bench.broker_throughput
 	$(PY) -m bench.priority_throughput
 	$(PY) -m bench.activation_latency

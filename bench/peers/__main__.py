@@ -93,7 +93,7 @@ def settings_text(cfg: dict[str, Any]) -> str:
         "with its schema) or, for Celery, an empty Redis database. "
         f"**Ours**: `ours_worker` in `bench/peers/worker.py` — one process with "
         f"{cfg['workers']} threads, each `Executor(broker, 'QueueAsyncTarget', "
-        "idle_timeout=3600).serve` (workloads 2–4) or a consumer looping over "
+        "idle_timeout=3600).serve` (workloads 2-4) or a consumer looping over "
         "`with broker.transaction() as tx: tx.receive(queue, top=batch)` (workload 1, the "
         f"producer `broker.send` / `send_many` round robin over {systems.CONVERSATIONS} "
         "conversations). **procrastinate**: one worker, `concurrency="
@@ -102,7 +102,7 @@ def settings_text(cfg: dict[str, Any]) -> str:
         f"100 batches only the enqueue (`batch_defer_async`); callers poll job status every "
         f"{int(systems.POLL * 1000)} ms (procrastinate has no completion wait). "
         "**pgqueuer**: one `QueueManager` on asyncpg, `batch_size` = the batch, entrypoint "
-        f"`concurrency_limit` = {cfg['workers']} × batch; callers wait through "
+        f"`concurrency_limit` = {cfg['workers']} x batch; callers wait through "
         f"`CompletionWatcher` (debounce {int(systems.PGQ_DEBOUNCE.total_seconds() * 1000)} "
         "ms instead of its 50 ms default). **Celery**: prefork `--concurrency "
         f"{cfg['workers']}`, Redis broker and result backend, acks early (its default), "
@@ -119,7 +119,7 @@ DESIGNS = {
         "One producer (this process) enqueues N 100-byte messages (batch 1: N={b1}, one "
         "enqueue call each; batch 100: N={b100}, 100 per call) while the system's 4 "
         "consumers dequeue `batch` at a time and complete them (commit). Figure: N / (last "
-        "completion − first enqueue), from the consumers' post-commit timestamps (ours, "
+        "completion - first enqueue), from the consumers' post-commit timestamps (ours, "
         "raw) or the database's completion rows (procrastinate's `succeeded` events, "
         "pgqueuer's `successful` log). Checked: every message handled exactly once."
     ),
@@ -131,9 +131,9 @@ DESIGNS = {
         "no task of wave k+1 started before the last of wave k ended."
     ),
     "dispatch": (
-        "{samples} samples per system (after 10 warm-up tasks per round), a random 20–40 ms "
+        "{samples} samples per system (after 10 warm-up tasks per round), a random 20-40 ms "
         "pause before each so the workers are idle in their wait; latency = handler start "
-        "(ours: `execution_log.start_time`, written by the executor as the task starts) − "
+        "(ours: `execution_log.start_time`, written by the executor as the task starts) - "
         "the instant before the enqueue call, same machine clock. Each task is waited for "
         "(the system's own way) before the next."
     ),
@@ -321,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_queue(
-    names: list[str], size: dict[str, Any], cfg: dict[str, Any], report: dict[str, Any], measured: Any
+    names: list[str],
+    size: dict[str, Any],
+    cfg: dict[str, Any],
+    report: dict[str, Any],
+    measured: Any,
 ) -> None:
     n = {1: size["queue_batch_1"], 100: size["queue_batch_100"]}
     pairs = [(s, b) for s in names for b in (1, 100)]
@@ -354,7 +358,11 @@ def run_queue(
 
 
 def run_waves(
-    names: list[str], size: dict[str, Any], ctx: dict[str, Any], report: dict[str, Any], measured: Any
+    names: list[str],
+    size: dict[str, Any],
+    ctx: dict[str, Any],
+    report: dict[str, Any],
+    measured: Any,
 ) -> None:
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in names}
     for r in range(size["rounds"]):
@@ -387,7 +395,11 @@ def run_waves(
 
 
 def run_dispatch(
-    names: list[str], size: dict[str, Any], ctx: dict[str, Any], report: dict[str, Any], measured: Any
+    names: list[str],
+    size: dict[str, Any],
+    ctx: dict[str, Any],
+    report: dict[str, Any],
+    measured: Any,
 ) -> None:
     results: dict[str, list[float]] = {s: [] for s in names}
     for r in range(size["rounds"]):
@@ -412,13 +424,19 @@ def run_dispatch(
             "min_ms": round(min(values), 2),
         }
     report["workloads"]["dispatch"] = {
-        "design": DESIGNS["dispatch"].format(samples=size["dispatch_samples_per_round"] * size["rounds"]),
+        "design": DESIGNS["dispatch"].format(
+            samples=size["dispatch_samples_per_round"] * size["rounds"]
+        ),
         "systems": out,
     }
 
 
 def run_scale(
-    names: list[str], size: dict[str, Any], ctx: dict[str, Any], report: dict[str, Any], measured: Any
+    names: list[str],
+    size: dict[str, Any],
+    ctx: dict[str, Any],
+    report: dict[str, Any],
+    measured: Any,
 ) -> None:
     out = {}
     for system in names:

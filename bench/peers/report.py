@@ -102,20 +102,23 @@ def queue_table(w: dict[str, Any]) -> list[str]:
             line = f"- {batch.replace('_', ' ')}: ours {text} vs the best peer ({NAMES[best]})"
             if "raw" in w["systems"]:
                 raw = w["systems"]["raw"][batch]["median"]
-                line += f"; ours is {w['systems']['ours'][batch]['median'] / raw:.2f} of the ceiling"
+                line += (
+                    f"; ours is {w['systems']['ours'][batch]['median'] / raw:.2f} of the ceiling"
+                )
             lines.append(line + ".")
     return lines
 
 
 def waves_table(w: dict[str, Any]) -> list[str]:
     lines = [
-        "| system | 5 waves × 50: makespan s, median (min..max) "
+        "| system | 5 waves x 50: makespan s, median (min..max) "
         "| sync overhead per wave, ms, median (min..max) |",
         "| --- | ---: | ---: |",
     ]
     for system, r in w["systems"].items():
         lines.append(
-            f"| {NAMES[system]} | {spread(r['makespan_s'], 3)} | {spread(r['sync_overhead_ms'], 1)} |"
+            f"| {NAMES[system]} | {spread(r['makespan_s'], 3)} "
+            f"| {spread(r['sync_overhead_ms'], 1)} |"
         )
     lines.append("")
     lines.extend(best_line(w, "makespan_s", "makespan"))
@@ -178,7 +181,7 @@ TABLES = {
 }
 TITLES = {
     "queue": "1. Queue throughput (enqueue → dequeue → complete, trivial handler)",
-    "waves": "2. Waves: 5 waves × 50 no-op tasks, 4 workers, next wave after the previous",
+    "waves": "2. Waves: 5 waves x 50 no-op tasks, 4 workers, next wave after the previous",
     "dispatch": "3. Dispatch latency: idle workers, one task at a time, enqueue → handler start",
     "scale": "4. Scale: dequeue + complete with completed items retained vs none",
 }
@@ -296,7 +299,9 @@ def charts(report: dict[str, Any], directory: Path) -> list[Path]:
                     [w["systems"][s][key] for s in systems],
                     color=[colors[s] for s in systems],
                 )
-                ax.set_title(f"{key[:3]} enqueue → handler start, ms (lower is better)", fontsize=10)
+                ax.set_title(
+                    f"{key[:3]} enqueue → handler start, ms (lower is better)", fontsize=10
+                )
         else:
             x = range(len(systems))
             axes[0].bar(
@@ -317,7 +322,9 @@ def charts(report: dict[str, Any], directory: Path) -> list[Path]:
             axes[0].legend(fontsize=8)
             axes[0].set_title("dequeue + complete, ms median", fontsize=10)
             axes[1].bar(
-                systems, [w["systems"][s]["ratio"] for s in systems], color=[colors[s] for s in systems]
+                systems,
+                [w["systems"][s]["ratio"] for s in systems],
+                color=[colors[s] for s in systems],
             )
             axes[1].axhline(1.0, color="black", linewidth=0.8)
             axes[1].set_title("ratio retained / none (1.0 = flat)", fontsize=10)

@@ -29,7 +29,6 @@ from typing import Any
 import psycopg
 
 from bench.broker_throughput import ADMIN_URL, db_url, log
-from bench.peers.worker import TARGET_QUEUE, TASK_QUEUE
 
 REPO = Path(__file__).resolve().parent.parent.parent
 BODY_BYTES = 100  # every message / job payload, all systems alike
@@ -222,7 +221,10 @@ class WorkerProcess:
         out: str | None = None,
     ) -> None:
         self.out = out
-        self.err = tempfile.NamedTemporaryFile(prefix="bench-peers-", suffix=".log", delete=False)
+        # kept open for the process's life, closed by stop()
+        self.err = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="bench-peers-", suffix=".log", delete=False
+        )
         self.proc = subprocess.Popen(
             cmd,
             cwd=REPO,
@@ -303,9 +305,7 @@ class WorkerProcess:
                 with contextlib.suppress(OSError):
                     os.unlink(self.out)
         if self.proc.returncode not in (0, -signal.SIGTERM):
-            raise RuntimeError(
-                f"worker exited with {self.proc.returncode}: {self.stderr_tail()}"
-            )
+            raise RuntimeError(f"worker exited with {self.proc.returncode}: {self.stderr_tail()}")
         with contextlib.suppress(OSError):
             os.unlink(self.err.name)
         return records
@@ -344,7 +344,7 @@ def celery_module(redis_url: str, prefetch: int) -> Any:
     os.environ["BENCH_CELERY_PREFETCH"] = str(prefetch)
     from bench.peers import celery_app as module
 
-    if module.REDIS_URL != redis_url:
+    if redis_url != module.REDIS_URL:
         raise RuntimeError("bench.peers.celery_app was imported for another Redis database")
     return module
 

@@ -15,6 +15,7 @@ workers). Celery is not here: its worker is Celery's own (``bench.peers.celery_a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -166,10 +167,8 @@ async def procrastinate_worker(url: str, concurrency: int) -> list[Record]:
         ready()
         await stopping.wait()
         task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        except asyncio.CancelledError:
-            pass
     return records
 
 

@@ -165,20 +165,28 @@ REMAINING = {
 
 
 def last_procrastinate(url: str, records: list[Any]) -> float:
-    done, last = psycopg.connect(url, autocommit=True).execute(
-        "SELECT count(*), extract(epoch FROM max(at)) FROM procrastinate_events "
-        "WHERE type = 'succeeded'"
-    ).fetchone()
+    done, last = (
+        psycopg.connect(url, autocommit=True)
+        .execute(
+            "SELECT count(*), extract(epoch FROM max(at)) FROM procrastinate_events "
+            "WHERE type = 'succeeded'"
+        )
+        .fetchone()
+    )
     if done != len(records):
         raise RuntimeError(f"procrastinate: {done} succeeded events for {len(records)} jobs")
     return float(last)
 
 
 def last_pgqueuer(url: str, records: list[Any]) -> float:
-    done, last = psycopg.connect(url, autocommit=True).execute(
-        "SELECT count(*), extract(epoch FROM max(created)) FROM pgqueuer_log "
-        "WHERE status = 'successful'"
-    ).fetchone()
+    done, last = (
+        psycopg.connect(url, autocommit=True)
+        .execute(
+            "SELECT count(*), extract(epoch FROM max(created)) FROM pgqueuer_log "
+            "WHERE status = 'successful'"
+        )
+        .fetchone()
+    )
     if done != len(records):
         raise RuntimeError(f"pgqueuer: {done} successful log rows for {len(records)} jobs")
     return float(last)
@@ -203,9 +211,7 @@ def waves_run(
         by_wave: dict[int, list[tuple[float, float]]] = {}
         for wave, start, end in tasks:
             by_wave.setdefault(wave, []).append((start, end))
-        if sorted(by_wave) != list(range(waves)) or any(
-            len(v) != size for v in by_wave.values()
-        ):
+        if sorted(by_wave) != list(range(waves)) or any(len(v) != size for v in by_wave.values()):
             raise RuntimeError(
                 f"{system} waves: tasks per wave {[len(by_wave.get(k, [])) for k in range(waves)]}"
             )
@@ -531,9 +537,7 @@ def jitter_s() -> float:
 def latencies(records: list[Any], called: dict[str, float], system: str) -> list[float]:
     check_exactly_once([r[0] for r in records], set(called), f"{system} dispatch")
     starts = {r[0]: r[1] for r in records}
-    return [
-        1000 * (starts[tag] - t0) for tag, t0 in called.items() if int(tag) >= WARM_DISPATCH
-    ]
+    return [1000 * (starts[tag] - t0) for tag, t0 in called.items() if int(tag) >= WARM_DISPATCH]
 
 
 DISPATCH = {
@@ -768,9 +772,7 @@ class Cycle:
         self.conn.release()
 
 
-def scale_run(
-    system: str, retained: int, samples: int, ctx: dict[str, Any]
-) -> dict[str, Any]:
+def scale_run(system: str, retained: int, samples: int, ctx: dict[str, Any]) -> dict[str, Any]:
     """The dequeue-and-complete cost with ``retained`` completed items kept vs none: two
     stores set up alike, one preloaded; timed cycles alternate between them pair by pair
     (A B B A ...) so that drift hits both alike."""
@@ -804,7 +806,7 @@ def scale_run(
     }
 
 
-class contextlib_two:  # noqa: N801 - used as a context manager
+class contextlib_two:
     """Two fresh stores of ``system``: PostgreSQL databases, or Redis databases."""
 
     def __init__(self, system: str, ctx: dict[str, Any]) -> None:
