@@ -31,7 +31,7 @@ from bench.peers.systems import (
     scalar,
     wait_until,
 )
-from bench.peers.worker import TASK_QUEUE
+from bench.peers.worker import TARGET_QUEUE, TASK_QUEUE
 
 DRAIN_TIMEOUT = 300.0  # seconds a workload-1 run may take to drain
 
@@ -153,7 +153,7 @@ PRODUCERS = {
 }
 REMAINING = {
     "ours": lambda url: scalar(
-        url, "SELECT count(*) FROM queue_messages WHERE queue_name = %s", systems.TARGET_QUEUE
+        url, "SELECT count(*) FROM queue_messages WHERE queue_name = %s", TARGET_QUEUE
     ),
     "raw": lambda url: scalar(url, "SELECT count(*) FROM bench_raw"),
     "procrastinate": lambda url: scalar(
