@@ -294,7 +294,7 @@ def _named_services(text: str) -> set[str]:
         if action in {"logs", "exec", "restart", "stop", "start", "run"}:
             rest = [w for w in words[3:] if not w.startswith("-")]
             if rest:
-                names.add(rest[0])
+                names.add(re.match(r"[a-z0-9-]*", rest[0])[0])
     return names
 
 
