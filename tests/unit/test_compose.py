@@ -170,6 +170,14 @@ def test_compose_services_are_pinned_and_wired(compose: dict[str, Any]) -> None:
         assert "constraints.txt" in text, f"{path.name} installs without the pins"
         for base in re.findall(r"^FROM (\S+)", text, re.M):
             assert re.search(r":\d+\.\d+", base), f"{path.name}: unpinned FROM {base}"
+    # And what they copy is in the build context, which .dockerignore keeps to that
+    allowed = {
+        line[1:] for line in (ROOT / ".dockerignore").read_text().splitlines() if line[:1] == "!"
+    }
+    for path in [ROOT / "Dockerfile", *(ROOT / "docker").glob("*.Dockerfile")]:
+        for copy_line in re.findall(r"^COPY (.+)$", path.read_text(), re.M):
+            sources = [w for w in copy_line.split()[:-1] if not w.startswith("--")]
+            assert set(sources) <= allowed, f"{path.name}: {sources} not in the build context"
     # And every build names a Dockerfile that exists
     for name, service in services.items():
         build = service.get("build")
