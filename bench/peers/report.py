@@ -77,7 +77,7 @@ def versus(ours: float, best: float, higher_is_better: bool) -> tuple[str, float
     factor = ours / best if higher_is_better else best / ours
     if factor >= 1:
         return (f"ahead by {100 * (factor - 1):.0f}%", factor)
-    return (f"behind: the peer is {1 / factor:.2f}x ours", factor)
+    return (f"behind by {1 / factor:.2f}x (the peer is {1 / factor:.2f}x better)", factor)
 
 
 def queue_table(w: dict[str, Any]) -> list[str]:

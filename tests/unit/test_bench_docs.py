@@ -48,5 +48,5 @@ def test_one_marker_without_the_other_is_an_error() -> None:
 def test_versus_says_ahead_or_behind_by_how_much() -> None:
     # throughput: higher is better; latency: lower is better
     assert report.versus(150.0, 100.0, True)[0] == "ahead by 50%"
-    assert report.versus(50.0, 100.0, True)[0] == "behind: the peer is 2.00x ours"
+    assert report.versus(50.0, 100.0, True)[0] == "behind by 2.00x (the peer is 2.00x better)"
     assert report.versus(5.0, 10.0, False)[0] == "ahead by 100%"
