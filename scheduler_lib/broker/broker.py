@@ -193,6 +193,38 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             self._after_commit(frozenset({queue}), now + duration)
         return leases
 
+    def arrivals(self, queue: str) -> int:
+        """A number that grows whenever messages may have arrived on ``queue`` (this
+        process's wakeups). Take it before a RECEIVE; :meth:`wait_for_arrivals` counts
+        from it."""
+        return self._wakeups.generation(queue)
+
+    def wait_for_arrivals(
+        self, queue: str, since: int, count: int, *, window: float, timeout: float
+    ) -> bool:
+        """Wait, running no statement, until about ``count`` messages may have arrived on
+        ``queue`` since ``since`` (:meth:`arrivals`), or ``window`` seconds after the
+        first of them, or ``timeout`` seconds with none — so that one RECEIVE then takes
+        several, instead of one RECEIVE per message as they trickle in.
+
+        Only where each arrival is announced (PostgreSQL's NOTIFY, once this process is
+        registered as waiting on the queue by an earlier RECEIVE); elsewhere it returns at
+        once. It is a hint: a RECEIVE must follow, and may find fewer or more.
+
+        :return: whether it waited
+        """
+        if self._listener is None or count < 1:
+            return False
+        with self._waiters_lock:
+            if queue not in self._registered:
+                return False  # senders would not NOTIFY yet: the RECEIVE registers
+        self._set_waiting(queue, +1)
+        try:
+            self._wakeups.wait_for_arrivals(queue, since, count, window, timeout)
+        finally:
+            self._set_waiting(queue, -1)
+        return True
+
     def use_queries(self, package: str) -> None:
         """Let transactions run the named queries of ``package`` (its ``sql/queries.sql``
         and dialect overrides): how a layer above the broker runs its own SQL without

@@ -27,6 +27,7 @@ from scheduler_lib.broker.models import (
 )
 
 if TYPE_CHECKING:
+    from scheduler_lib.broker.poison import Lease
     from scheduler_lib.broker.transaction import Transaction
 
 SENDABLE_STATES = frozenset({"SO", "SI", "CO"})
@@ -134,6 +135,8 @@ class ConversationOperations:
         conversation_handle: uuid.UUID | str,
         message_type: str = DEFAULT,
         body: checks.Body = None,
+        *,
+        completing: Lease | None = None,
     ) -> int:
         """SEND ON CONVERSATION.
 
@@ -141,7 +144,10 @@ class ConversationOperations:
         :param message_type: a message type of the conversation's contract that this side
             may send
         :param body: bytes, str (sent as UTF-8) or None
+        :param completing: a lease this message answers: it ends with the SEND, as
+            :meth:`complete` would, atomically (one statement on PostgreSQL)
         :return: the message's sequence number in the conversation
+        :raises LeaseLost: when ``completing`` expired or ended meanwhile (roll back)
         :raises ConversationNotFound: for an unknown handle
         :raises ContractViolation: for a type the contract lacks or this side may not send
         :raises ConversationStateError: when the conversation was ended or is in error
@@ -155,6 +161,14 @@ class ConversationOperations:
                 f"{message_type!r} is a system message type",
                 hint="end_conversation() sends EndDialog and Error",
             )
+        if completing is not None:  # a transaction: a lost lease must undo the SEND
+            with self._operation() as tx:
+                data = checks.body_bytes(body, tx._broker.max_message_size)
+                seq = tx._send_fast(handle, message_type, data, completing.lease_id)
+                if seq is not None:
+                    return seq
+                tx.complete(completing)
+                return tx._send_checked(handle, message_type, data)
         with self._single_statement() as tx:
             data = checks.body_bytes(body, tx._broker.max_message_size)
             seq = tx._send_fast(handle, message_type, data)

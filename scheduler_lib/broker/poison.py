@@ -1072,6 +1072,7 @@ class LeaseKeeper:
         self._due: dict[str, float] = {}  # lease id -> monotonic time of its next renewal
         self._changed = threading.Condition()
         self._stopped = False
+        self._sleeps_until = 0.0  # monotonic time the thread wakes up on its own
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
         self._thread.start()
 
@@ -1082,11 +1083,16 @@ class LeaseKeeper:
         lost: dict[str, exceptions.LeaseLost] = {}
         now = time.monotonic()
         with self._changed:
+            soonest = float("inf")
             for lease in leases:
                 every = interval if interval is not None else lease.duration / 3
                 self._held[lease.lease_id] = (lease, every, lost)
                 self._due[lease.lease_id] = now + every
-            self._changed.notify()
+                soonest = min(soonest, now + every)
+            # Wake the thread only when it would sleep past this renewal: on a busy
+            # worker every task takes a lease, and a wake-up per task is a thread switch.
+            if soonest < self._sleeps_until:
+                self._changed.notify()
         try:
             yield lost
         finally:
@@ -1112,7 +1118,9 @@ class LeaseKeeper:
                     self._due[lease.lease_id] = now + every
                 if not due:
                     soonest = min(self._due.values(), default=now + 1.0)
+                    self._sleeps_until = soonest
                     self._changed.wait(max(0.0, soonest - now))
+                    self._sleeps_until = 0.0
                     continue
             for lease, _, lost in due:
                 try:

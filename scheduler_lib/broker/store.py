@@ -68,28 +68,44 @@ class Store:
 
     def one(self, conn: sa.Connection, query: str, /, **params: Any) -> Row | None:
         """The first row of a named query as a mapping, or ``None``."""
+        if self.is_postgresql:
+            names, rows, _ = self._on_driver(conn, query, params)
+            return dict(zip(names, rows[0], strict=True)) if rows else None
         row = self.execute(conn, query, **params).mappings().first()
         return dict(row) if row is not None else None
 
     def all(self, conn: sa.Connection, query: str, /, **params: Any) -> list[Row]:
         """Every row of a named query as mappings."""
+        if self.is_postgresql:
+            names, rows, _ = self._on_driver(conn, query, params)
+            return [dict(zip(names, row, strict=True)) for row in rows]
         return [dict(row) for row in self.execute(conn, query, **params).mappings()]
 
     def scalar(self, conn: sa.Connection, query: str, /, **params: Any) -> Any:
         """The first column of the first row, or ``None``."""
+        if self.is_postgresql:
+            _, rows, _ = self._on_driver(conn, query, params)
+            return rows[0][0] if rows else None
         return self.execute(conn, query, **params).scalar()
 
     def count(self, conn: sa.Connection, query: str, /, **params: Any) -> int:
         """Rows changed by a named statement."""
+        if self.is_postgresql:
+            return self._on_driver(conn, query, params)[2]
         return int(self.execute(conn, query, **params).rowcount)
 
     def rows(self, conn: sa.Connection, query: str, /, **params: Any) -> list[tuple[Any, ...]]:
-        """Run a named query on the driver's own cursor and return its rows as tuples.
+        """Run a named query on the driver's own cursor and return its rows as tuples."""
+        return self._on_driver(conn, query, params)[1]
 
-        For the hot path's fixed-column statements: SQLAlchemy's result handling costs
-        more client CPU than the statement's round trip on a small machine. The statement
-        still runs on ``conn``'s connection, inside its transaction.
-        """
+    def _on_driver(
+        self, conn: sa.Connection, query: str, params: Mapping[str, Any]
+    ) -> tuple[list[str], list[tuple[Any, ...]], int]:
+        """(column names, rows, rows changed) of a named query run on the driver's own
+        cursor (PostgreSQL): SQLAlchemy's statement and result handling costs several
+        times the round trip's client CPU on a small machine, and the hot path runs many
+        short statements. It still runs on ``conn``'s connection, inside its
+        transaction; the text is compiled once per query."""
         sql = self._driver_sql.get(query)
         if sql is None:
             sql = str(self._queries[query].compile(dialect=self._dialect))
@@ -99,10 +115,16 @@ class Store:
         try:
             with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
                 cursor.execute(sql, params)
-                return list(cursor.fetchall())
+                if cursor.description is None:
+                    return [], [], cursor.rowcount
+                names = [column.name for column in cursor.description]
+                return names, list(cursor.fetchall()), cursor.rowcount
         except Exception as exc:
-            if getattr(exc, "sqlstate", None) is None:
+            state = getattr(exc, "sqlstate", None)
+            if state is None:
                 raise
+            if state.startswith("23"):  # integrity constraint violation
+                raise _constraint_error(query, exc) from exc
             raise exceptions.DatabaseError(f"{query}: {exc}") from exc
 
     def execute_many(
@@ -119,9 +141,13 @@ class Store:
 
 
 def _integrity_error(name: str, exc: sa_exc.IntegrityError) -> exceptions.BrokerError:
-    text = str(exc.orig).lower()
+    return _constraint_error(name, exc.orig)
+
+
+def _constraint_error(name: str, orig: BaseException | None) -> exceptions.BrokerError:
+    text = str(orig).lower()
     if "unique" in text or "duplicate key" in text or "primary key" in text:
-        return exceptions.AlreadyExists(f"{name}: already exists ({exc.orig})")
+        return exceptions.AlreadyExists(f"{name}: already exists ({orig})")
     if "foreign key" in text:
-        return exceptions.InUse(f"{name}: still referenced ({exc.orig})")
-    return exceptions.DatabaseError(f"{name}: {exc.orig}")
+        return exceptions.InUse(f"{name}: still referenced ({orig})")
+    return exceptions.DatabaseError(f"{name}: {orig}")

@@ -340,9 +340,15 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
 
     # --- sending ---------------------------------------------------------------------
 
-    def _send_fast(self, handle: str, message_type: str, data: bytes | None) -> int | None:
+    def _send_fast(
+        self, handle: str, message_type: str, data: bytes | None, lease_id: str | None = None
+    ) -> int | None:
         """SEND in one statement where the dialect has one and the message type's
-        validation is known; ``None`` means "use :meth:`_send_checked`"."""
+        validation is known; ``None`` means "use :meth:`_send_checked`" (nothing was
+        written). With ``lease_id`` the same statement ends that lease.
+
+        :raises LeaseLost: when the lease was gone (the transaction must roll back)
+        """
         cached = self._broker._validation_cache.get(message_type)
         if cached is None or not self._store.has("send_fast"):
             return None
@@ -355,11 +361,18 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             validation=cached.value,
             body=data,
             now=time.time(),
+            lease_id=lease_id,
         )
         if not rows:
             return None
-        seq, queue, _notified = rows[0]
+        seq, queue, _notified, completed = rows[0]
         self._wrote = True
+        if lease_id is not None and not completed:
+            raise exceptions.LeaseLost(
+                f"lease {lease_id} on conversation {handle} is gone: it expired (the "
+                "message went back to its queue or to its poison disposition) or already "
+                "ended; roll back the answer"
+            )
         # The statement already sent NOTIFY if, and only if, somebody waits.
         self._notified_queues.add(queue)
         self._touched_queues.add(queue)

@@ -71,6 +71,27 @@ class Wakeups:
                 self._condition.wait(remaining)
             return True
 
+    def wait_for_arrivals(
+        self, queue: str, seen: int, count: int, window: float, timeout: float
+    ) -> int:
+        """Block until the queue's generation has moved ``count`` past ``seen``, or
+        ``window`` seconds after its first move, or ``timeout`` with no move at all.
+
+        :return: how far the generation moved
+        """
+        deadline = time.monotonic() + timeout
+        with self._condition:
+            while True:
+                moved = self._generation[queue] - seen
+                if moved >= count:
+                    return moved
+                if moved > 0 and deadline > time.monotonic() + window:
+                    deadline = time.monotonic() + window  # the first arrived: gather a while
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return moved
+                self._condition.wait(remaining)
+
 
 class PostgresListener:
     """A daemon thread that LISTENs on the broker channel and feeds :class:`Wakeups`."""

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 POLICIES = ("fail_fast", "continue")
 ENDED = (SUCCEEDED, FAILED, CANCELLED)
 WAVE_WAIT_STEP = 5.0  # seconds: a waiting watcher re-reads the log at least this often
+# seconds: with several tasks in flight, synchronization gathers the answers arriving this
+# long after the first before it RECEIVEs them (and at most this long for a first one)
+GATHER_WINDOW = 0.01
 AIRFLOW_FIELDS = ("dag_id", "run_id", "task_id")
 
 
@@ -74,6 +77,7 @@ class SchedulerHandle:
     in_flight: int = 0
     ahead: collections.deque[Completion] = dataclasses.field(default_factory=collections.deque)
     ended: SchedulerEnded | None = None  # the conversation ended; raised when ahead is empty
+    arrivals: int | None = None  # the initiator queue's arrivals before the last RECEIVE
     names: dict[int, str] = dataclasses.field(default_factory=dict)  # log id -> task label
 
     def __str__(self) -> str:
@@ -626,6 +630,18 @@ class TaskScheduler:
     def _receive(self, handle: SchedulerHandle, timeout: float | None) -> Completion:
         if handle.ended is not None:
             raise handle.ended
+        queue = self.names.initiator_queue
+        if handle.in_flight > 1 and handle.arrivals is not None:
+            # Answers trickle in as tasks end: gather them a moment (no statement runs
+            # while it waits), so one RECEIVE takes several rather than one each.
+            started = time.monotonic()
+            wait = GATHER_WINDOW if timeout is None else min(GATHER_WINDOW, timeout)
+            self.broker.wait_for_arrivals(
+                queue, handle.arrivals, handle.in_flight, window=wait, timeout=wait
+            )
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - started))
+        handle.arrivals = self.broker.arrivals(queue)
         # Every completion already there in one RECEIVE; the others wait in ``ahead``.
         messages = self._take_answers(
             str(handle.conversation_handle), max(1, handle.in_flight), timeout

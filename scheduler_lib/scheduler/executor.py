@@ -311,8 +311,12 @@ class Executor:
                 raise next(iter(lost.values()))
             with self.broker.transaction() as tx:
                 tx.run("log_finish", now=time.time(), **finish)
-                self._answer(tx, lease.message, log_id, status, error, encoded, origin)
-                tx.complete(lease)
+                # The answer ends the lease (a lost one rolls it all back), and goes last:
+                # its SEND locks the scheduler's endpoint, which every reader answers on,
+                # until the commit.
+                self._answer(
+                    tx, lease.message, log_id, status, error, encoded, origin, completing=lease
+                )
         except LeaseLost:
             # It expired meanwhile (the poison policy retried or failed it and told the
             # caller), or its scheduler was released and ended: no second answer. The row
@@ -339,6 +343,8 @@ class Executor:
         error: str | None,
         result: str | None,
         origin: Origin | None = None,
+        *,
+        completing: Lease | None = None,
     ) -> None:
         extra = None
         if origin is not None:  # the initiator completes its own row from the answer
@@ -353,6 +359,7 @@ class Executor:
             error,
             result,
             extra,
+            completing=completing,
         )
 
 
@@ -365,17 +372,24 @@ def answer(
     error: str | None,
     result: str | None,
     extra: Mapping[str, Any] | None = None,
+    *,
+    completing: Lease | None = None,
 ) -> None:
     """Send ``AsyncDone`` (the contract's target-sent type) on the scheduler's
     conversation; a scheduler that was released meanwhile is not an error. ``extra``
-    goes with it for an initiator on another broker (who ran it, when)."""
+    goes with it for an initiator on another broker (who ran it, when); ``completing``
+    is the task's lease, which ends with the answer.
+
+    :raises LeaseLost: when ``completing`` was gone (roll back: no answer)
+    """
     done = _done_type(tx, contract)
     body = json.dumps(
         {"log_id": log_id, "status": status, "error": error, "result": result, **(extra or {})}
     )
     try:  # these are raised by the broker's own checks: the transaction stays usable
-        tx.send(handle, done, body)
+        tx.send(handle, done, body, completing=completing)
     except (ConversationNotFound, ConversationStateError):
+        # (a lease it completes was ended before the checked SEND raised this)
         log.info("task %s ended after its scheduler was released", log_id)
 
 
@@ -423,13 +437,15 @@ class CancelWatcher:
     @contextlib.contextmanager
     def watching(self, context: TaskContext) -> Iterator[None]:
         with self._changed:
+            was_idle = not self._running
             self._running[context.log_id] = context
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._watch, name="task-cancel-watcher", daemon=True
                 )
                 self._thread.start()
-            self._changed.notify_all()
+            elif was_idle:  # it waits for a first task; otherwise it polls anyway
+                self._changed.notify_all()
         try:
             yield
         finally:
@@ -518,9 +534,16 @@ class Origin:
         }
 
 
+_process_id: tuple[int, str] | None = None  # (pid, "host:pid"), remade after a fork
+
+
 def worker_id() -> str:
     """Who runs a task: host, process and reader (our SPID)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
+    global _process_id
+    pid = os.getpid()
+    if _process_id is None or _process_id[0] != pid:
+        _process_id = (pid, f"{socket.gethostname()}:{pid}")
+    return f"{_process_id[1]}:{threading.current_thread().name}"
 
 
 def _error(exc: BaseException, *, with_traceback: bool = False) -> str:

@@ -504,6 +504,40 @@ def test_take_then_complete_with_the_answer(scheduler_catalog: Broker) -> None:
         broker.complete(lease)
 
 
+def test_the_answer_completes_the_lease_in_the_same_send(scheduler_catalog: Broker) -> None:
+    broker = scheduler_catalog
+    handle = _conversation(broker, "task")
+    (lease,) = broker.take(QUEUE, timeout=0, lease=30)
+    # When the answer is sent completing the lease
+    with broker.transaction() as tx:
+        tx.send(lease.message.conversation_handle, "AsyncDone", "done", completing=lease)
+    # Then the lease is over and the answer is there, once
+    assert broker.leases() == []
+    (answer,) = broker.receive("InitiatorQueue", timeout=0)
+    assert answer.conversation_handle == handle and answer.body == b"done"
+    # And a second answer completing the same lease is refused and sends nothing
+    with pytest.raises(LeaseLost), broker.transaction() as tx:
+        tx.send(lease.message.conversation_handle, "AsyncDone", "again", completing=lease)
+    assert broker.receive("InitiatorQueue", timeout=0) == []
+    # ... also in its short form, which runs in a transaction of its own
+    with pytest.raises(LeaseLost):
+        broker.send(lease.message.conversation_handle, "AsyncDone", "again", completing=lease)
+    assert broker.receive("InitiatorQueue", timeout=0) == []
+
+
+def test_an_answer_completing_an_expired_lease_rolls_back(scheduler_catalog: Broker) -> None:
+    broker = scheduler_catalog
+    _conversation(broker, "task")
+    (lease,) = broker.take(QUEUE, timeout=0, lease=0.3)
+    # Given the lease expired (nobody renewed it) and its message went back
+    poll(lambda: broker.peek(QUEUE), WAIT, "the expired lease's message came back")
+    # When the late worker answers completing it, Then nothing is sent
+    with pytest.raises(LeaseLost), broker.transaction() as tx:
+        tx.send(lease.message.conversation_handle, "AsyncDone", "too late", completing=lease)
+    assert broker.receive("InitiatorQueue", timeout=0) == []
+    assert [m.text for m in broker.peek(QUEUE)] == ["task"]
+
+
 def test_keep_alive_holds_a_lease_past_its_duration(scheduler_catalog: Broker) -> None:
     broker = scheduler_catalog
     _conversation(broker, "long task")

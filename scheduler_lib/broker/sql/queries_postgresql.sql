@@ -90,7 +90,8 @@ FOR UPDATE;
 -- the caller's cached validation, take the sequence number, enqueue, and NOTIFY only if a
 -- receiver waits. No row back means "take the checked slow path" (it raises the precise
 -- error, creates the target endpoint, or holds the message for a disabled queue); nothing
--- was written in that case, because every check guards the one UPDATE.
+-- was written in that case, because every check guards the one UPDATE. With :lease_id it
+-- also ends that lease; leases_completed 0 then means the lease was lost (roll back).
 WITH far AS (
     SELECT f.conversation_handle, f.queue_name, f.conversation_group_id, f.priority,
         f.service_name, f.contract_name, q.waiting_receivers, q.fair_share_quantum
@@ -128,12 +129,19 @@ WITH far AS (
         far.service_name, far.contract_name, :now, sender.fair_at
     FROM far, sender
     RETURNING queue_name
+), completed AS (
+    -- SEND ... completing a lease (the answer to leased work): the lease ends with the
+    -- answer, in the same statement; none when :lease_id is NULL.
+    DELETE FROM message_leases l USING sender WHERE l.lease_id = :lease_id
+    RETURNING l.lease_id
 )
 SELECT sender.message_sequence_number, far.queue_name,
     CASE WHEN far.waiting_receivers > 0
         THEN pg_notify('scheduler_lib_broker', far.queue_name) IS NOT NULL
-        ELSE false END AS notified
-FROM far, sender, (SELECT count(*) AS n FROM enqueued) AS e;
+        ELSE false END AS notified,
+    c.n AS leases_completed
+FROM far, sender, (SELECT count(*) AS n FROM enqueued) AS e,
+    (SELECT count(*) AS n FROM completed) AS c;
 
 -- name: receive_fast
 -- RECEIVE in one round trip from an enabled queue without retention or aging: lock the
