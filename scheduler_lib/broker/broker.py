@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -69,6 +70,8 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             )
         self._async_engine: sa.Engine | None = None  # commits without the WAL flush
         self._async_engine_lock = threading.Lock()
+        # queue -> the lock a taking thread holds while it looks and waits (see _take_waiting)
+        self._take_turns: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self.max_message_size = max_message_size
         # Message type -> validation, for SEND's fast path; the statement re-checks the
         # validation in the database, so a stale entry costs a slow path, never a wrong send.
@@ -137,29 +140,47 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         deadline = None if timeout is None else time.monotonic() + timeout
         registered = False
         checked = False
+        # The threads of this process that take from one queue do it in turns: the one
+        # whose turn it is looks, and waits for wakeups; the others wait for the turn.
+        # A message that arrives then wakes one taker, not every idle one (a herd whose
+        # looks all but one find nothing, and slow the one that matters); a taker that
+        # got one hands the turn on at once, so a backlog still goes to all of them.
+        turn = self._take_turns[queue]
+        poll = wakeup.POSTGRESQL_POLL_INTERVAL
         try:
             while True:
-                seen = self._wakeups.generation(queue)
-                leases = self._take_fast(queue, top, duration, holder)
-                if leases is None or leases:
-                    return leases
-                if not checked:
-                    info = self.queue(queue)  # unknown or off: say so, as RECEIVE does
-                    if not info.is_receive_enabled:
-                        raise info.disabled_error()
-                    checked = True
                 remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return []
-                self._record_empty_receive(queue)
-                if self._listener is not None and not registered:
-                    # Look once more after registering: a message sent meanwhile sent no
-                    # NOTIFY.
-                    self._set_waiting(queue, +1)
-                    registered = True
+                if not turn.acquire(
+                    timeout=poll if remaining is None else max(0.0, min(poll, remaining))
+                ):
+                    if remaining is not None and remaining <= 0:
+                        return []
                     continue
-                poll = wakeup.POSTGRESQL_POLL_INTERVAL
-                self._wakeups.wait(queue, seen, poll if remaining is None else min(poll, remaining))
+                try:
+                    seen = self._wakeups.generation(queue)
+                    leases = self._take_fast(queue, top, duration, holder)
+                    if leases is None or leases:
+                        return leases
+                    if not checked:
+                        info = self.queue(queue)  # unknown or off: say so, as RECEIVE does
+                        if not info.is_receive_enabled:
+                            raise info.disabled_error()
+                        checked = True
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return []
+                    self._record_empty_receive(queue)
+                    if self._listener is not None and not registered:
+                        # Look once more after registering: a message sent meanwhile sent
+                        # no NOTIFY.
+                        self._set_waiting(queue, +1)
+                        registered = True
+                        continue
+                    self._wakeups.wait(
+                        queue, seen, poll if remaining is None else min(poll, remaining)
+                    )
+                finally:
+                    turn.release()
         finally:
             if registered:
                 self._set_waiting(queue, -1)

@@ -182,10 +182,15 @@ class ConversationOperations:
         conversation_handle: uuid.UUID | str,
         message_type: str,
         bodies: Sequence[checks.Body],
+        *,
+        before: tuple[str, Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """SEND several messages of one type on one conversation, in order and atomically
         (one statement on PostgreSQL once both endpoints exist).
 
+        :param before: a named statement (of :meth:`Broker.use_queries`) and its binds to
+            run first, in the same transaction — on PostgreSQL in the same round trip as
+            the SEND: the rows a layer above records with what it sends
         :return: their sequence numbers
         :raises: as :meth:`send`, for the first message that cannot be sent (then none is)
         """
@@ -199,7 +204,9 @@ class ConversationOperations:
             return []
         with self._operation() as tx:
             data = [checks.body_bytes(b, tx._broker.max_message_size) for b in bodies]
-            first = tx._send_many_fast(handle, message_type, data)
+            first, ran = tx._send_many_fast(handle, message_type, data, before)
+            if before is not None and not ran:
+                tx.run(before[0], **before[1])
             if first is not None:
                 return list(range(first, first + len(data)))
             # The checked path for the first message: it names what is wrong, or creates
@@ -209,7 +216,7 @@ class ConversationOperations:
             if rest and tx._endpoint(handle).is_remote:
                 # To another broker: one sequence-number update, one batch of inserts.
                 return sent + tx._send_remote_many(handle, message_type, rest)
-            following = tx._send_many_fast(handle, message_type, rest) if rest else None
+            following = tx._send_many_fast(handle, message_type, rest)[0] if rest else None
             if following is not None:
                 return sent + list(range(following, following + len(rest)))
             return sent + [tx._send_checked(handle, message_type, d) for d in rest]

@@ -98,6 +98,44 @@ class Store:
         """Run a named query on the driver's own cursor and return its rows as tuples."""
         return self._on_driver(conn, query, params)[1]
 
+    def pipeline(
+        self, conn: sa.Connection, statements: Sequence[tuple[str, Mapping[str, Any]]]
+    ) -> list[list[tuple[Any, ...]]]:
+        """Run several named statements in one round trip (PostgreSQL's pipeline mode),
+        in order, inside ``conn``'s transaction (whose BEGIN goes with them); the rows of
+        each. For statements that do not depend on each other's results: a SEND and the
+        row it announces. If one fails, the transaction is aborted and this raises."""
+        if not conn.in_transaction():
+            conn.begin()
+        driver = conn.connection.driver_connection
+        cursors = []
+        try:
+            with driver.pipeline():  # type: ignore[union-attr]
+                for query, params in statements:
+                    cursor = driver.cursor()  # type: ignore[union-attr]
+                    cursor.execute(self._driver_text(query), params)
+                    cursors.append(cursor)
+            # Leaving the block synced the pipeline: every result is here.
+            return [list(c.fetchall()) if c.description is not None else [] for c in cursors]
+        except Exception as exc:
+            state = getattr(exc, "sqlstate", None)
+            if state is None:
+                raise
+            names = "+".join(query for query, _ in statements)
+            if state.startswith("23"):
+                raise _constraint_error(names, exc) from exc
+            raise exceptions.DatabaseError(f"{names}: {exc}") from exc
+        finally:
+            for cursor in cursors:
+                cursor.close()
+
+    def _driver_text(self, query: str) -> str:
+        sql = self._driver_sql.get(query)
+        if sql is None:
+            sql = str(self._queries[query].compile(dialect=self._dialect))
+            self._driver_sql[query] = sql
+        return sql
+
     def _on_driver(
         self, conn: sa.Connection, query: str, params: Mapping[str, Any]
     ) -> tuple[list[str], list[tuple[Any, ...]], int]:
@@ -106,10 +144,7 @@ class Store:
         times the round trip's client CPU on a small machine, and the hot path runs many
         short statements. It still runs on ``conn``'s connection, inside its
         transaction; the text is compiled once per query."""
-        sql = self._driver_sql.get(query)
-        if sql is None:
-            sql = str(self._queries[query].compile(dialect=self._dialect))
-            self._driver_sql[query] = sql
+        sql = self._driver_text(query)
         if not conn.in_transaction():
             conn.begin()  # so that conn.commit() commits what the driver cursor did
         try:

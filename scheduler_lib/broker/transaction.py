@@ -6,7 +6,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
@@ -379,33 +379,41 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         return int(seq)
 
     def _send_many_fast(
-        self, handle: str, message_type: str, data: list[bytes | None]
-    ) -> int | None:
+        self,
+        handle: str,
+        message_type: str,
+        data: list[bytes | None],
+        before: tuple[str, Mapping[str, Any]] | None = None,
+    ) -> tuple[int | None, bool]:
         """Several SENDs in one statement where the dialect has one and the message
         type's validation is known: the first sequence number, or ``None`` ("send them
-        one by one on the checked path")."""
+        one by one on the checked path") — and whether ``before`` (a named statement and
+        its binds) ran, in the same round trip, ahead of the SEND."""
         cached = self._broker._validation_cache.get(message_type)
         if cached is None or not self._store.has("send_many_fast"):
-            return None
+            return None, False
         for body in data:
             checks.check_body(message_type, cached, body)
-        rows = self._store.rows(
-            self._conn(),
-            "send_many_fast",
-            handle=handle,
-            message_type=message_type,
-            validation=cached.value,
-            bodies=data,
-            n=len(data),
-            now=time.time(),
-        )
+        send = {
+            "handle": handle,
+            "message_type": message_type,
+            "validation": cached.value,
+            "bodies": data,
+            "n": len(data),
+            "now": time.time(),
+        }
+        if before is not None:
+            _, rows = self._store.pipeline(self._conn(), [before, ("send_many_fast", send)])
+            self._wrote = True
+        else:
+            rows = self._store.rows(self._conn(), "send_many_fast", **send)
         if not rows:
-            return None
+            return None, before is not None
         first, queue, _notified = rows[0]
         self._wrote = True
         self._notified_queues.add(queue)
         self._touched_queues.add(queue)
-        return int(first)
+        return int(first), before is not None
 
     def _send_checked(self, handle: str, message_type: str, data: bytes | None) -> int:
         """SEND with every check spelled out: the path that names what is wrong, creates

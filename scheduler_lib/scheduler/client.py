@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -49,6 +50,7 @@ WAVE_WAIT_STEP = 5.0  # seconds: a waiting watcher re-reads the log at least thi
 # seconds: with several tasks in flight, synchronization gathers the answers arriving this
 # long after the first before it RECEIVEs them (and at most this long for a first one)
 GATHER_WINDOW = 0.01
+LOG_ID_BLOCK = 64  # log ids a scheduler takes from the sequence at a time (PostgreSQL)
 AIRFLOW_FIELDS = ("dag_id", "run_id", "task_id")
 
 
@@ -191,6 +193,8 @@ class TaskScheduler:
         self.context = {k: (context or {}).get(k) for k in AIRFLOW_FIELDS}
         self._kinds: dict[str, frozenset[str]] = {}
         self._remote: dict[str, bool] = {}  # conversation handle -> target on another broker
+        self._log_ids: collections.deque[int] = collections.deque()  # taken, not yet used
+        self._log_ids_lock = threading.Lock()
 
     # --- the blog's four procedures ---------------------------------------------------
 
@@ -250,7 +254,7 @@ class TaskScheduler:
         return self._send(handle, checked, wave) if checked else []
 
     def _send(self, handle: SchedulerHandle, tasks: Sequence[Task], wave: int | None) -> list[int]:
-        if len(tasks) > 1 and self.broker.has_query("log_insert_many"):
+        if self.broker.has_query("log_insert_many"):
             return self._send_batch(handle, tasks, wave)
         log_ids = []
         with self.broker.transaction() as tx:
@@ -353,24 +357,23 @@ class TaskScheduler:
     def _send_batch(
         self, handle: SchedulerHandle, tasks: Sequence[Task], wave: int | None
     ) -> list[int]:
-        """Several tasks in a fixed number of statements: their ids, their rows, their
-        messages (PostgreSQL)."""
+        """Tasks (one or a wave) in two round trips (PostgreSQL): their rows and their
+        messages together, then the commit. Their log ids were taken ahead, in blocks."""
         bodies = [t.to_dict() for t in tasks]
+        log_ids = self._next_log_ids(len(tasks))
+        rows = {
+            "log_ids": log_ids,
+            "names": [t.label[:256] for t in tasks],
+            "kinds": [t.kind for t in tasks],
+            "bodies": [json.dumps(b) for b in bodies],
+            "caller_id": self.caller_id,
+            "handle": str(handle.conversation_handle),
+            "target": handle.target_service,
+            "wave": wave,
+            "now": time.time(),
+            **self.context,
+        }
         with self.broker.transaction() as tx:
-            log_ids = [int(r["nextval"]) for r in tx.fetch("log_ids_next", n=len(tasks))]
-            tx.run(
-                "log_insert_many",
-                log_ids=log_ids,
-                names=[t.label[:256] for t in tasks],
-                kinds=[t.kind for t in tasks],
-                bodies=[json.dumps(b) for b in bodies],
-                caller_id=self.caller_id,
-                handle=str(handle.conversation_handle),
-                target=handle.target_service,
-                wave=wave,
-                now=time.time(),
-                **self.context,
-            )
             tx.send_many(
                 handle.conversation_handle,
                 self.names.sent,
@@ -378,11 +381,24 @@ class TaskScheduler:
                     json.dumps({"log_id": log_id, "task": body, "wave": wave})
                     for log_id, body in zip(log_ids, bodies, strict=True)
                 ],
+                before=("log_insert_many", rows),
             )
         handle.in_flight += len(log_ids)
         for log_id, task in zip(log_ids, tasks, strict=True):
             handle.names[log_id] = task.label
         return log_ids
+
+    def _next_log_ids(self, n: int) -> list[int]:
+        """``n`` unused log ids of ``execution_log``'s sequence, taken LOG_ID_BLOCK at a
+        time: one statement per block, not one per send (ids left unused leave gaps, as
+        a sequence's do)."""
+        with self._log_ids_lock:
+            if len(self._log_ids) < n:
+                more = max(n - len(self._log_ids), LOG_ID_BLOCK)
+                self._log_ids.extend(
+                    int(r["nextval"]) for r in self.broker.fetch("log_ids_next", n=more)
+                )
+            return [self._log_ids.popleft() for _ in range(n)]
 
     # --- a scheduler shared between processes (Airflow tasks) ----------------------------
 

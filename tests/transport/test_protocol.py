@@ -242,7 +242,8 @@ def test_an_unknown_service_is_refused_and_the_rest_delivered(pair: tuple[Broker
             30,
             "the refusal is the message's status",
         )
-        assert events(b, "MESSAGE_REJECTED")
+        # B writes its events in batches, after it has sent the refusal: wait for it
+        poll(lambda: events(b, "MESSAGE_REJECTED"), 30, "B's MESSAGE_REJECTED event")
 
 
 def test_bad_settings_are_refused_by_name(pair: tuple[Broker, Broker]) -> None:
