@@ -216,7 +216,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retained", type=int, help="workload 4's completed items")
     parser.add_argument("--write-docs", action="store_true", help="write JSON and docs anyway")
     parser.add_argument("--no-docs", action="store_true", help="write the JSON only")
+    parser.add_argument(
+        "--docs-from",
+        metavar="JSON",
+        help="measure nothing: regenerate the docs block and charts from a stored run "
+        "(a file under bench/results/)",
+    )
     args = parser.parse_args(argv)
+    if args.docs_from:
+        stored = json.loads(Path(args.docs_from).read_text())
+        docs.charts(stored, IMG)
+        DOCS.write_text(docs.replace_block(DOCS.read_text(), docs.section(stored)))
+        log(
+            f"wrote docs/benchmarks.md (peers block) and docs/img/peers-*.png from {args.docs_from}"
+        )
+        return 0
     q = 1 if args.quick else 0
     size = {k: v[q] for k, v in SIZES.items()}
     if args.rounds:
