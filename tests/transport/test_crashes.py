@@ -14,10 +14,10 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from conftest import CONTRACT, INITIATOR, KEY, REQUEST, TARGET
-from conftest import TARGET_QUEUE as B_QUEUE
 from faultproxy import FaultProxy, Faults
 from multiproc import Output, poll
+from transport_catalog import CONTRACT, INITIATOR, KEY, REQUEST, TARGET
+from transport_catalog import TARGET_QUEUE as B_QUEUE
 
 from scheduler_lib.broker import Broker
 

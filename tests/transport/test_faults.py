@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import collections
 
-from conftest import CONTRACT, FAST_RETRY, INITIATOR, KEY, REPLY, REQUEST, TARGET
-from conftest import INITIATOR_QUEUE as A_QUEUE
-from conftest import TARGET_QUEUE as B_QUEUE
 from faultproxy import FaultProxy, Faults
 from multiproc import poll
+from transport_catalog import CONTRACT, FAST_RETRY, INITIATOR, KEY, REPLY, REQUEST, TARGET
+from transport_catalog import INITIATOR_QUEUE as A_QUEUE
+from transport_catalog import TARGET_QUEUE as B_QUEUE
 
 from scheduler_lib.broker import Broker, EndpointState, Message
 from scheduler_lib.broker.transport import TransportEndpoint

@@ -11,10 +11,10 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import CONTRACT, FAST_RETRY, INITIATOR, KEY, REPLY, REQUEST, TARGET
-from conftest import INITIATOR_QUEUE as A_QUEUE
-from conftest import TARGET_QUEUE as B_QUEUE
 from multiproc import poll
+from transport_catalog import CONTRACT, FAST_RETRY, INITIATOR, KEY, REPLY, REQUEST, TARGET
+from transport_catalog import INITIATOR_QUEUE as A_QUEUE
+from transport_catalog import TARGET_QUEUE as B_QUEUE
 
 from scheduler_lib.broker import (
     Broker,

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from conftest import KEY
+from transport_catalog import KEY
 
 from scheduler_lib.broker import Broker
 from scheduler_lib.broker.transport import TransportEndpoint

@@ -1,0 +1,26 @@
+"""The transport tests' catalog: the same names on both brokers (imported by conftest and
+the tests under a name of its own, so no other folder's conftest can shadow it)."""
+
+from __future__ import annotations
+
+from scheduler_lib.broker import Broker
+
+KEY = "transport-key-for-the-tests-0123456789"
+REQUEST, REPLY, CONTRACT = "Request", "Reply", "Work"
+INITIATOR, TARGET = "Initiator", "Target"
+INITIATOR_QUEUE, TARGET_QUEUE = "InitiatorQueue", "TargetQueue"
+FAST_RETRY = {"retry_initial": 0.3, "retry_max": 2.0}  # the tests' faults cost less time
+
+
+def make_catalog(broker: Broker, *, initiator: bool, target: bool) -> Broker:
+    """The same message types and contract on every broker; each service on its own."""
+    broker.create_message_type(REQUEST, "NONE")
+    broker.create_message_type(REPLY, "NONE")
+    broker.create_contract(CONTRACT, {REQUEST: "INITIATOR", REPLY: "TARGET"})
+    if initiator:
+        broker.create_queue(INITIATOR_QUEUE)
+        broker.create_service(INITIATOR, INITIATOR_QUEUE)
+    if target:
+        broker.create_queue(TARGET_QUEUE)
+        broker.create_service(TARGET, TARGET_QUEUE, [CONTRACT])
+    return broker
