@@ -137,6 +137,7 @@ class ConversationOperations:
         body: checks.Body = None,
         *,
         completing: Lease | None = None,
+        before: tuple[str, Mapping[str, Any]] | None = None,
     ) -> int:
         """SEND ON CONVERSATION.
 
@@ -146,6 +147,9 @@ class ConversationOperations:
         :param body: bytes, str (sent as UTF-8) or None
         :param completing: a lease this message answers: it ends with the SEND, as
             :meth:`complete` would, atomically (one statement on PostgreSQL)
+        :param before: a named statement (of :meth:`Broker.use_queries`) and its binds to
+            run first, in the same transaction — on PostgreSQL in the same round trip as
+            the SEND: the row a layer above records with what it sends
         :return: the message's sequence number in the conversation
         :raises LeaseLost: when ``completing`` expired or ended meanwhile (roll back)
         :raises ConversationNotFound: for an unknown handle
@@ -161,17 +165,22 @@ class ConversationOperations:
                 f"{message_type!r} is a system message type",
                 hint="end_conversation() sends EndDialog and Error",
             )
-        if completing is not None:  # a transaction: a lost lease must undo the SEND
+        if completing is not None or before is not None:
+            # A transaction: a lost lease must undo the SEND, and the row goes with it
             with self._operation() as tx:
                 data = checks.body_bytes(body, tx._broker.max_message_size)
-                seq = tx._send_fast(handle, message_type, data, completing.lease_id)
+                lease_id = None if completing is None else completing.lease_id
+                seq, ran = tx._send_fast(handle, message_type, data, lease_id, before)
+                if before is not None and not ran:
+                    tx.run(before[0], **before[1])
                 if seq is not None:
                     return seq
-                tx.complete(completing)
+                if completing is not None:
+                    tx.complete(completing)
                 return tx._send_checked(handle, message_type, data)
         with self._single_statement() as tx:
             data = checks.body_bytes(body, tx._broker.max_message_size)
-            seq = tx._send_fast(handle, message_type, data)
+            seq, _ = tx._send_fast(handle, message_type, data)
             if seq is not None:
                 return seq
         with self._operation() as tx:

@@ -341,30 +341,40 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
     # --- sending ---------------------------------------------------------------------
 
     def _send_fast(
-        self, handle: str, message_type: str, data: bytes | None, lease_id: str | None = None
-    ) -> int | None:
+        self,
+        handle: str,
+        message_type: str,
+        data: bytes | None,
+        lease_id: str | None = None,
+        before: tuple[str, Mapping[str, Any]] | None = None,
+    ) -> tuple[int | None, bool]:
         """SEND in one statement where the dialect has one and the message type's
-        validation is known; ``None`` means "use :meth:`_send_checked`" (nothing was
-        written). With ``lease_id`` the same statement ends that lease.
+        validation is known: its sequence number, or ``None`` for "use
+        :meth:`_send_checked`" (the SEND wrote nothing) — and whether ``before`` (a named
+        statement and its binds) ran, in the same round trip, ahead of it. With
+        ``lease_id`` the SEND also ends that lease.
 
         :raises LeaseLost: when the lease was gone (the transaction must roll back)
         """
         cached = self._broker._validation_cache.get(message_type)
         if cached is None or not self._store.has("send_fast"):
-            return None
+            return None, False
         checks.check_body(message_type, cached, data)
-        rows = self._store.rows(
-            self._conn(),
-            "send_fast",
-            handle=handle,
-            message_type=message_type,
-            validation=cached.value,
-            body=data,
-            now=time.time(),
-            lease_id=lease_id,
-        )
+        send = {
+            "handle": handle,
+            "message_type": message_type,
+            "validation": cached.value,
+            "body": data,
+            "now": time.time(),
+            "lease_id": lease_id,
+        }
+        if before is not None:
+            _, rows = self._store.pipeline(self._conn(), [before, ("send_fast", send)])
+            self._wrote = True
+        else:
+            rows = self._store.rows(self._conn(), "send_fast", **send)
         if not rows:
-            return None
+            return None, before is not None
         seq, queue, _notified, completed = rows[0]
         self._wrote = True
         if lease_id is not None and not completed:
@@ -376,7 +386,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         # The statement already sent NOTIFY if, and only if, somebody waits.
         self._notified_queues.add(queue)
         self._touched_queues.add(queue)
-        return int(seq)
+        return int(seq), before is not None
 
     def _send_many_fast(
         self,

@@ -359,13 +359,9 @@ class TaskScheduler:
     ) -> list[int]:
         """Tasks (one or a wave) in two round trips (PostgreSQL): their rows and their
         messages together, then the commit. Their log ids were taken ahead, in blocks."""
-        bodies = [t.to_dict() for t in tasks]
+        bodies = [json.dumps(t.to_dict()) for t in tasks]
         log_ids = self._next_log_ids(len(tasks))
-        rows = {
-            "log_ids": log_ids,
-            "names": [t.label[:256] for t in tasks],
-            "kinds": [t.kind for t in tasks],
-            "bodies": [json.dumps(b) for b in bodies],
+        common = {
             "caller_id": self.caller_id,
             "handle": str(handle.conversation_handle),
             "target": handle.target_service,
@@ -373,16 +369,41 @@ class TaskScheduler:
             "now": time.time(),
             **self.context,
         }
+        # The message carries the row's task body as it is (no second encoding).
+        messages = [
+            f'{{"log_id": {log_id}, "task": {body}, "wave": {json.dumps(wave)}}}'
+            for log_id, body in zip(log_ids, bodies, strict=True)
+        ]
         with self.broker.transaction() as tx:
-            tx.send_many(
-                handle.conversation_handle,
-                self.names.sent,
-                [
-                    json.dumps({"log_id": log_id, "task": body, "wave": wave})
-                    for log_id, body in zip(log_ids, bodies, strict=True)
-                ],
-                before=("log_insert_many", rows),
-            )
+            if len(tasks) == 1:
+                [task] = tasks
+                row = {
+                    "log_id": log_ids[0],
+                    "name": task.label[:256],
+                    "kind": task.kind,
+                    "body": bodies[0],
+                    **common,
+                }
+                tx.send(
+                    handle.conversation_handle,
+                    self.names.sent,
+                    messages[0],
+                    before=("log_insert_one", row),
+                )
+            else:
+                rows = {
+                    "log_ids": log_ids,
+                    "names": [t.label[:256] for t in tasks],
+                    "kinds": [t.kind for t in tasks],
+                    "bodies": bodies,
+                    **common,
+                }
+                tx.send_many(
+                    handle.conversation_handle,
+                    self.names.sent,
+                    messages,
+                    before=("log_insert_many", rows),
+                )
         handle.in_flight += len(log_ids)
         for log_id, task in zip(log_ids, tasks, strict=True):
             handle.names[log_id] = task.label

@@ -9,6 +9,17 @@ SELECT * FROM semaphores WHERE semaphore_name = :name FOR UPDATE;
 SELECT nextval(pg_get_serial_sequence('execution_log', 'log_id'))
 FROM generate_series(1, :n);
 
+-- name: log_insert_one
+-- ExecAsync of one task: its row, with the id taken above (plain binds: cheaper to send
+-- than log_insert_many's arrays).
+INSERT INTO execution_log (
+    log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
+    task_body, sent_at, start_time, status, attempts, dag_id, run_id, task_id
+) VALUES (
+    :log_id, :caller_id, :handle, :target, :wave, :name, :kind, :body, :now, :now,
+    'QUEUED', 0, :dag_id, :run_id, :task_id
+);
+
 -- name: log_insert_many
 -- ExecAsync for a wave: every task's row in one statement, with the ids taken above.
 INSERT INTO execution_log (
