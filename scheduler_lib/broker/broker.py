@@ -149,13 +149,21 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         poll = wakeup.POSTGRESQL_POLL_INTERVAL
         try:
             while True:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if not turn.acquire(
-                    timeout=poll if remaining is None else max(0.0, min(poll, remaining))
-                ):
+                if not turn.acquire(blocking=False):
+                    # Another thread waits for wakeups; look anyway, once per poll interval
+                    # (a message can become takeable with no wakeup here: a group another
+                    # process held, a NOTIFY lost while LISTEN reconnects), then wait for
+                    # the turn.
+                    leases = self._take_fast(queue, top, duration, holder)
+                    if leases is None or leases:
+                        return leases
+                    remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return []
-                    continue
+                    if not turn.acquire(
+                        timeout=poll if remaining is None else min(poll, remaining)
+                    ):
+                        continue
                 try:
                     seen = self._wakeups.generation(queue)
                     leases = self._take_fast(queue, top, duration, holder)
@@ -239,7 +247,9 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         with self._waiters_lock:
             if queue not in self._registered:
                 return False  # senders would not NOTIFY yet: the RECEIVE registers
-        self._set_waiting(queue, +1)
+        if not self._listener.wait_ready(0):
+            return False  # LISTEN is reconnecting: no NOTIFY would reach us meanwhile
+        self._set_waiting(queue, +1, ready_timeout=0)
         try:
             self._wakeups.wait_for_arrivals(queue, since, count, window, timeout)
         finally:
@@ -404,7 +414,9 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             if self._watcher is None and self._engine.url.database:
                 self._watcher = wakeup.SqliteWatcher(self._engine.url.database, self._wakeups)
 
-    def _set_waiting(self, queue: str, delta: int) -> None:
+    def _set_waiting(
+        self, queue: str, delta: int, ready_timeout: float = LISTEN_READY_TIMEOUT
+    ) -> None:
         """Register a PostgreSQL receiver as waiting (senders then NOTIFY).
 
         The process registers once per queue, on its first waiter, and keeps the
@@ -414,7 +426,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         """
         assert self._listener is not None
         if delta > 0:
-            self._listener.wait_ready(LISTEN_READY_TIMEOUT)
+            self._listener.wait_ready(ready_timeout)
         with self._waiters_lock:
             count = self._waiters.get(queue, 0) + (1 if delta > 0 else -1)
             self._waiters[queue] = max(count, 0)

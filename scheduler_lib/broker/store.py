@@ -6,6 +6,7 @@ named queries from ``sql/queries*.sql``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -118,13 +119,8 @@ class Store:
             # Leaving the block synced the pipeline: every result is here.
             return [list(c.fetchall()) if c.description is not None else [] for c in cursors]
         except Exception as exc:
-            state = getattr(exc, "sqlstate", None)
-            if state is None:
-                raise
             names = "+".join(query for query, _ in statements)
-            if state.startswith("23"):
-                raise _constraint_error(names, exc) from exc
-            raise exceptions.DatabaseError(f"{names}: {exc}") from exc
+            raise _driver_error(conn, names, exc) from exc
         finally:
             for cursor in cursors:
                 cursor.close()
@@ -155,12 +151,7 @@ class Store:
                 names = [column.name for column in cursor.description]
                 return names, list(cursor.fetchall()), cursor.rowcount
         except Exception as exc:
-            state = getattr(exc, "sqlstate", None)
-            if state is None:
-                raise
-            if state.startswith("23"):  # integrity constraint violation
-                raise _constraint_error(query, exc) from exc
-            raise exceptions.DatabaseError(f"{query}: {exc}") from exc
+            raise _driver_error(conn, query, exc) from exc
 
     def execute_many(
         self, conn: sa.Connection, name: str, rows: Sequence[Mapping[str, Any]]
@@ -173,6 +164,25 @@ class Store:
                 raise _integrity_error(name, exc) from exc
             except sa_exc.DBAPIError as exc:
                 raise exceptions.DatabaseError(f"{name}: {exc.orig}") from exc
+
+
+def _driver_error(conn: sa.Connection, name: str, exc: Exception) -> Exception:
+    """What a driver error on the driver's own cursor means to the broker's callers: a
+    lost connection is invalidated (SQLAlchemy never saw the error, and would hand the
+    dead connection out again) and becomes a DatabaseError — not the caller's fault, try
+    again — as any other server error does; a constraint violation becomes AlreadyExists
+    or InUse. Anything else (a bug of ours) is left as it is."""
+    if not type(exc).__module__.startswith("psycopg"):
+        return exc
+    driver = conn.connection.driver_connection
+    if getattr(driver, "broken", False) or getattr(driver, "closed", False):
+        with contextlib.suppress(Exception):
+            conn.invalidate(exc)
+        return exceptions.DatabaseError(f"{name}: the connection was lost ({exc})")
+    state = getattr(exc, "sqlstate", None)
+    if state is not None and state.startswith("23"):  # integrity constraint violation
+        return _constraint_error(name, exc)
+    return exceptions.DatabaseError(f"{name}: {exc}")
 
 
 def _integrity_error(name: str, exc: sa_exc.IntegrityError) -> exceptions.BrokerError:

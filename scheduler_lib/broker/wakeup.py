@@ -80,13 +80,15 @@ class Wakeups:
         :return: how far the generation moved
         """
         deadline = time.monotonic() + timeout
+        gathering = False
         with self._condition:
             while True:
                 moved = self._generation[queue] - seen
                 if moved >= count:
                     return moved
-                if moved > 0 and deadline > time.monotonic() + window:
-                    deadline = time.monotonic() + window  # the first arrived: gather a while
+                if moved > 0 and not gathering:  # the first arrived: gather a while
+                    gathering = True
+                    deadline = time.monotonic() + window
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return moved

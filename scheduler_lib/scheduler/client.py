@@ -675,7 +675,7 @@ class TaskScheduler:
             wait = GATHER_WINDOW if timeout is None else min(GATHER_WINDOW, timeout)
             self.broker.wait_for_arrivals(
                 queue, handle.arrivals, handle.in_flight, window=wait, timeout=wait
-            )
+            )  # at most ``wait`` for a first answer, then ``wait`` for the others
             if timeout is not None:
                 timeout = max(0.0, timeout - (time.monotonic() - started))
         handle.arrivals = self.broker.arrivals(queue)
