@@ -287,10 +287,7 @@ def charts(report: dict[str, Any], directory: Path) -> list[Path]:
                 ("batch_100", "batch 100: msg/s (higher is better)"),
             ]
             for ax, (key, title) in zip(axes, panels, strict=True):
-                med = [w["systems"][s][key]["median"] for s in systems]
-                lo = [m - w["systems"][s][key]["min"] for s, m in zip(systems, med, strict=True)]
-                hi = [w["systems"][s][key]["max"] - m for s, m in zip(systems, med, strict=True)]
-                ax.bar(systems, med, yerr=[lo, hi], color=[colors[s] for s in systems])
+                _spread_bars(ax, w, systems, key, [colors[s] for s in systems])
                 ax.set_title(title, fontsize=10)
         elif name == "waves":
             panels = [
@@ -298,10 +295,7 @@ def charts(report: dict[str, Any], directory: Path) -> list[Path]:
                 ("sync_overhead_ms", "sync overhead per wave, ms"),
             ]
             for ax, (key, title) in zip(axes, panels, strict=True):
-                med = [w["systems"][s][key]["median"] for s in systems]
-                lo = [m - w["systems"][s][key]["min"] for s, m in zip(systems, med, strict=True)]
-                hi = [w["systems"][s][key]["max"] - m for s, m in zip(systems, med, strict=True)]
-                ax.bar(systems, med, yerr=[lo, hi], color=[colors[s] for s in systems])
+                _spread_bars(ax, w, systems, key, [colors[s] for s in systems])
                 ax.set_title(title, fontsize=10)
         elif name == "dispatch":
             for ax, key in zip(axes, ("p50_ms", "p99_ms"), strict=True):
@@ -348,3 +342,13 @@ def charts(report: dict[str, Any], directory: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _spread_bars(
+    ax: Any, w: dict[str, Any], systems: list[str], key: str, colors: list[str]
+) -> None:
+    """Bars of the median, whiskers from the min to the max."""
+    med = [w["systems"][s][key]["median"] for s in systems]
+    lo = [m - w["systems"][s][key]["min"] for s, m in zip(systems, med, strict=True)]
+    hi = [w["systems"][s][key]["max"] - m for s, m in zip(systems, med, strict=True)]
+    ax.bar(systems, med, yerr=[lo, hi], color=colors)
