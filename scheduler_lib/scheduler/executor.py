@@ -310,12 +310,19 @@ class Executor:
             if lost:
                 raise next(iter(lost.values()))
             with self.broker.transaction() as tx:
-                tx.run("log_finish", now=time.time(), **finish)
-                # The answer ends the lease (a lost one rolls it all back), and goes last:
-                # its SEND locks the scheduler's endpoint, which every reader answers on,
-                # until the commit.
+                # The row's end goes first, in the answer's round trip; the answer ends the
+                # lease (a lost one rolls it all back) and goes last: its SEND locks the
+                # scheduler's endpoint, which every reader answers on, until the commit.
                 self._answer(
-                    tx, lease.message, log_id, status, error, encoded, origin, completing=lease
+                    tx,
+                    lease.message,
+                    log_id,
+                    status,
+                    error,
+                    encoded,
+                    origin,
+                    completing=lease,
+                    before=("log_finish", {"now": time.time(), **finish}),
                 )
         except LeaseLost:
             # It expired meanwhile (the poison policy retried or failed it and told the
@@ -345,6 +352,7 @@ class Executor:
         origin: Origin | None = None,
         *,
         completing: Lease | None = None,
+        before: tuple[str, Mapping[str, Any]] | None = None,
     ) -> None:
         extra = None
         if origin is not None:  # the initiator completes its own row from the answer
@@ -360,6 +368,7 @@ class Executor:
             result,
             extra,
             completing=completing,
+            before=before,
         )
 
 
@@ -374,11 +383,14 @@ def answer(
     extra: Mapping[str, Any] | None = None,
     *,
     completing: Lease | None = None,
+    before: tuple[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Send ``AsyncDone`` (the contract's target-sent type) on the scheduler's
     conversation; a scheduler that was released meanwhile is not an error. ``extra``
     goes with it for an initiator on another broker (who ran it, when); ``completing``
-    is the task's lease, which ends with the answer.
+    is the task's lease, which ends with the answer; ``before`` (a named statement and
+    its binds) runs first, in the same transaction and, on PostgreSQL, the same round
+    trip — and stays done when the scheduler was released.
 
     :raises LeaseLost: when ``completing`` was gone (roll back: no answer)
     """
@@ -387,7 +399,7 @@ def answer(
         {"log_id": log_id, "status": status, "error": error, "result": result, **(extra or {})}
     )
     try:  # these are raised by the broker's own checks: the transaction stays usable
-        tx.send(handle, done, body, completing=completing)
+        tx.send(handle, done, body, completing=completing, before=before)
     except (ConversationNotFound, ConversationStateError):
         # (a lease it completes was ended before the checked SEND raised this)
         log.info("task %s ended after its scheduler was released", log_id)
