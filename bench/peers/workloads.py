@@ -415,26 +415,10 @@ WARM_DISPATCH = 10
 
 
 def dispatch_ours(samples: int, ctx: dict[str, Any]) -> list[float]:
-    from scheduler_lib.broker import Broker
-    from scheduler_lib.scheduler import TaskScheduler
-
-    task = no_op()
-    sent: list[tuple[int, float]] = []
     with fresh_db("ours") as url:
         worker = WorkerProcess.peer("ours", url, "tasks", concurrency=ctx["workers"])
         try:
-            with Broker(url, migrate=False) as broker:
-                scheduler = TaskScheduler(broker)
-                with scheduler.scheduler() as handle:
-                    for i in range(WARM_DISPATCH + samples):
-                        jitter()
-                        called = time.time()
-                        log_id = scheduler.exec_async(handle, task)
-                        done = scheduler.synchronization(handle, timeout=30)
-                        if not done.ok or done.log_id != log_id:
-                            raise RuntimeError(f"ours dispatch: {done}")
-                        if i >= WARM_DISPATCH:
-                            sent.append((log_id, called))
+            sent = ours_dispatch_calls(url, samples)
             with psycopg.connect(url, autocommit=True) as conn:
                 starts = dict(
                     conn.execute(
@@ -446,7 +430,32 @@ def dispatch_ours(samples: int, ctx: dict[str, Any]) -> list[float]:
             worker.stop()
     if len(starts) != WARM_DISPATCH + samples:
         raise RuntimeError(f"ours dispatch: {len(starts)} tasks ran once")
-    return [1000 * (starts[log_id] - called) for log_id, called in sent]
+    return [1000 * (starts[log_id] - called) for log_id, called, _ in sent]
+
+
+def ours_dispatch_calls(url: str, samples: int) -> list[tuple[int, float, float]]:
+    """Our caller's side of workload 3 against a running worker: one task at a time after
+    an idle pause, each waited for. (log id, ``time.time()`` before the ``exec_async``
+    call, after it returned) of each task after the warm-up ones."""
+    from scheduler_lib.broker import Broker
+    from scheduler_lib.scheduler import TaskScheduler
+
+    task = no_op()
+    sent: list[tuple[int, float, float]] = []
+    with Broker(url, migrate=False) as broker:
+        scheduler = TaskScheduler(broker)
+        with scheduler.scheduler() as handle:
+            for i in range(WARM_DISPATCH + samples):
+                jitter()
+                called = time.time()
+                log_id = scheduler.exec_async(handle, task)
+                returned = time.time()
+                done = scheduler.synchronization(handle, timeout=30)
+                if not done.ok or done.log_id != log_id:
+                    raise RuntimeError(f"ours dispatch: {done}")
+                if i >= WARM_DISPATCH:
+                    sent.append((log_id, called, returned))
+    return sent
 
 
 def dispatch_celery(samples: int, ctx: dict[str, Any]) -> list[float]:

@@ -1,0 +1,218 @@
+"""Where our dispatch latency goes (workload 3 of ``bench.peers``, ours only).
+
+    .venv-bench/bin/python -m bench.dispatch_breakdown            # ~1 min, prints a table
+    .venv-bench/bin/python -m bench.dispatch_breakdown --write-docs   # and appends it
+
+Two parts, each on a fresh database cloned from the peers benchmark's template:
+
+1. **The caller alone** (no worker; the tasks just queue): ``exec_async`` back to back, then
+   after the same 20-40 ms idle pause the peers benchmark makes before each task, then
+   after the pause with ``synchronous_commit = off`` on the caller's connections (an
+   experiment: it gives up the durability of the send); then the worker's take alone,
+   back to back, on the tasks those calls queued.
+2. **The whole path** with the peers benchmark's worker (4 executor threads in another
+   process), split where the worker process can see it: the call to the NOTIFY reaching
+   the worker's listener, the listener to the take being issued, the take's round trip,
+   the take to the recorded start. The worker here is ``bench.peers.worker``'s, with two
+   timestamps added by wrapping ``Wakeups.notify`` and ``Broker._take_fast`` (diagnostic
+   only: private names, so this script may need updating when they change).
+
+Times are ``time.time()`` on one machine; medians over ``--samples`` tasks after 10
+warm-up ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+
+from bench.broker_throughput import append_docs, log
+from bench.peers.systems import WorkerProcess, fresh_db, jitter
+from bench.peers.worker import TASK_QUEUE
+from bench.peers.workloads import WARM_DISPATCH, no_op, ours_dispatch_calls
+
+TAKE_ALONE = "the worker's take alone, back to back (on the tasks queued above)"
+
+
+def caller_alone(samples: int) -> dict[str, float]:
+    """Median ms of ``exec_async`` with no worker: back to back, after an idle pause, and
+    after an idle pause without waiting for the WAL flush; then of the worker's take
+    alone."""
+    from scheduler_lib.broker import Broker
+    from scheduler_lib.scheduler import TaskScheduler
+
+    task = no_op()
+    out: dict[str, float] = {}
+    cases: list[tuple[str, bool, dict[str, Any]]] = [
+        ("exec_async, back to back", False, {}),
+        ("exec_async after a 20-40 ms pause", True, {}),
+        (
+            "exec_async after a pause, synchronous_commit = off",
+            True,
+            {"connect_args": {"options": "-c synchronous_commit=off"}},
+        ),
+    ]
+    with fresh_db("ours") as url:
+        for name, pause, engine in cases:
+            with Broker(url, migrate=False, engine_options=engine) as broker:
+                scheduler = TaskScheduler(broker)
+                with scheduler.scheduler() as handle:
+                    times = []
+                    for i in range(WARM_DISPATCH + samples):
+                        if pause:
+                            jitter()
+                        started = time.perf_counter()
+                        scheduler.exec_async(handle, task)
+                        if i >= WARM_DISPATCH:
+                            times.append(time.perf_counter() - started)
+            out[name] = 1000 * statistics.median(times)
+            log(f"caller alone, {name}: p50 {out[name]:.2f} ms")
+        # The worker's take with nothing else running: the tasks queued above, taken back
+        # to back as an executor takes them (the one statement, no WAL flush).
+        with Broker(url, migrate=False) as broker:
+            times = []
+            for _ in range(samples):
+                started = time.perf_counter()
+                if not broker.take(TASK_QUEUE, timeout=0, durable=False):
+                    raise RuntimeError("dispatch breakdown: the queued tasks are gone")
+                times.append(time.perf_counter() - started)
+        out[TAKE_ALONE] = 1000 * statistics.median(times)
+        log(f"caller alone, {TAKE_ALONE}: p50 {out[TAKE_ALONE]:.2f} ms")
+    return out
+
+
+def whole_path(samples: int) -> dict[str, float]:
+    """Median ms of each step from the call to the recorded start, with a worker."""
+    fd, record = tempfile.mkstemp(prefix="bench-dispatch-", suffix=".json")
+    os.close(fd)
+    with fresh_db("ours") as url:
+        worker = WorkerProcess(
+            [sys.executable, "-m", "bench.dispatch_breakdown", "--worker", url, record]
+        )
+        try:
+            calls = ours_dispatch_calls(url, samples)
+            with psycopg.connect(url, autocommit=True) as conn:
+                starts = dict(conn.execute("SELECT log_id, start_time FROM execution_log"))
+        finally:
+            worker.stop()
+    with open(record) as fh:
+        seen = json.load(fh)
+    os.unlink(record)
+    notified = sorted(seen["notify"])
+    takes = sorted(zip(seen["take_issued"], seen["take_done"], strict=True))
+    steps: dict[str, list[float]] = {
+        "exec_async (the caller's call)": [],
+        "call -> NOTIFY seen by the worker": [],
+        "NOTIFY -> take issued": [],
+        "take (one statement)": [],
+        "take -> start recorded": [],
+        "total: call -> start": [],
+    }
+    for log_id, called, returned in calls:
+        notice = notified[bisect.bisect_left(notified, called)]
+        issued, taken = takes[bisect.bisect_left(takes, (called,))]
+        start = starts[log_id]
+        for name, ms in zip(
+            steps,
+            (
+                returned - called,
+                notice - called,
+                issued - notice,
+                taken - issued,
+                start - taken,
+                start - called,
+            ),
+            strict=True,
+        ):
+            steps[name].append(1000 * ms)
+    out = {name: statistics.median(values) for name, values in steps.items()}
+    for name, ms in out.items():
+        log(f"whole path, {name}: p50 {ms:.2f} ms")
+    return out
+
+
+def instrumented_worker(url: str, record: str) -> None:
+    """``bench.peers.worker``'s executors, with the listener's wakeups and the takes
+    timed; writes them to ``record`` when stopped (SIGTERM)."""
+    import signal
+    import threading
+
+    from bench.peers.worker import ours_worker
+    from scheduler_lib.broker import broker as broker_module
+    from scheduler_lib.broker import wakeup
+
+    seen: dict[str, list[float]] = {"notify": [], "take_issued": [], "take_done": []}
+    notify: Callable[..., Any] = wakeup.Wakeups.notify
+    take: Callable[..., Any] = broker_module.Broker._take_fast
+
+    def timed_notify(self: Any, queues: Any) -> None:
+        seen["notify"].append(time.time())
+        notify(self, queues)
+
+    def timed_take(self: Any, *args: Any, **kwargs: Any) -> Any:
+        issued = time.time()
+        leases = take(self, *args, **kwargs)
+        if leases:
+            seen["take_issued"].append(issued)
+            seen["take_done"].append(time.time())
+        return leases
+
+    wakeup.Wakeups.notify = timed_notify  # type: ignore[method-assign]
+    broker_module.Broker._take_fast = timed_take  # type: ignore[method-assign]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    ours_worker(url, 4, stop, role="tasks")  # prints READY (for WorkerProcess) once running
+    with open(record, "w") as fh:
+        json.dump(seen, fh)
+
+
+def markdown(alone: dict[str, float], path: dict[str, float], samples: int) -> str:
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"\n## Where our dispatch latency goes — {when}\n",
+        "Command: `.venv-bench/bin/python -m bench.dispatch_breakdown` (design in "
+        "`bench/dispatch_breakdown.py`; ours only, the peers benchmark's worker and pauses; "
+        f"medians of {samples} tasks).\n",
+        "| the caller alone (no worker) | p50 ms |",
+        "| --- | ---: |",
+        *[f"| {name} | {ms:.2f} |" for name, ms in alone.items()],
+        "",
+        "| the whole path (worker: 4 executor threads in another process) | p50 ms |",
+        "| --- | ---: |",
+        *[f"| {name} | {ms:.2f} |" for name, ms in path.items()],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--write-docs", action="store_true", help="append to benchmarks.md")
+    parser.add_argument("--worker", nargs=2, metavar=("URL", "RECORD"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        instrumented_worker(*args.worker)
+        return
+    alone = caller_alone(args.samples)
+    path = whole_path(args.samples)
+    section = markdown(alone, path, args.samples)
+    print(section)
+    if args.write_docs:
+        append_docs(section)
+        log("appended to docs/benchmarks.md")
+
+
+if __name__ == "__main__":
+    main()
