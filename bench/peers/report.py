@@ -55,7 +55,10 @@ WHY = {
         "conversation group through the WAL flush, so the other readers would find the wave "
         "locked; dropping "
         "the start statement altogether (not a valid change: it is what makes the start "
-        "durable) measured 0.39 s -> 0.35 s in a side run, the most any fold could give."
+        "durable) measured 0.39 s -> 0.35 s in a side run, the most any fold could give. "
+        "A NOTIFY channel per queue (so that the answers stop waking the worker's listener "
+        "and the wave's SENDs the caller's) measured about 3% in a side run with the "
+        "channels wired by hand."
     ),
     "dispatch": (
         "Measured from the `exec_async` call to the task's recorded start: the caller's "
@@ -71,10 +74,11 @@ WHY = {
         'path is one Redis LPUSH to a server that writes nothing to disk here (`--save "" '
         "--appendonly no`) and a BRPOP already waiting: fewer processes to wake; the "
         "PostgreSQL peers pay a durable commit and a NOTIFY as we do. What could close the "
-        "gap (not yet measured): fewer processes woken per message — a NOTIFY channel per "
-        "queue (today every process listening on the broker wakes for every queue's NOTIFY, "
-        "the caller's own listener included) and the take issued on the connection that got "
-        "the NOTIFY."
+        "gap: fewer processes woken per message. A NOTIFY channel per queue (today every "
+        "process listening on the broker wakes for every queue's NOTIFY, the caller's own "
+        "listener included) was within the noise here in a side run with the channels "
+        "wired by hand; the take issued on the connection that got the NOTIFY (its backend "
+        "is awake) is not measured yet."
     ),
     "scale": (
         "Our finished tasks leave only their `execution_log` row (conversations, groups, "
