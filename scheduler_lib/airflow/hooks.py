@@ -31,7 +31,7 @@ FORM_PREFIX = f"extra__{CONN_TYPE}__"
 
 # One broker per (URL, migrate) per process: a broker owns an engine (a pool) and
 # background threads, and a worker process runs many tasks and triggers.
-_brokers: dict[tuple[str, bool], Broker] = {}
+_brokers: dict[tuple[str, bool, bool], Broker] = {}  # (url, migrate, timers)
 _brokers_lock = threading.Lock()
 
 
@@ -84,13 +84,18 @@ def connection_options(conn: Any) -> dict[str, Any]:
     return {"target_service": target, "migrate": bool(migrate)}
 
 
-def shared_broker(url: str, *, migrate: bool = True) -> Broker:
-    """The process's broker for ``url`` (opened, and migrated if asked, once)."""
-    key = (url, migrate)
+def shared_broker(url: str, *, migrate: bool = True, timers: bool = True) -> Broker:
+    """The process's broker for ``url`` (opened, and migrated if asked, once).
+
+    :param timers: run the broker's timer thread (conversation timers, lifetimes, expired
+        leases) in this process; a process that only reads (the Execution Status page)
+        leaves that to the workers, and then needs no more than ``SELECT``
+    """
+    key = (url, migrate, timers)
     with _brokers_lock:
         broker = _brokers.get(key)
         if broker is None:
-            broker = _brokers[key] = Broker(url, migrate=migrate)
+            broker = _brokers[key] = Broker(url, migrate=migrate, timers=timers)
         return broker
 
 

@@ -103,7 +103,9 @@ def get_broker() -> Broker:
     except InvalidArgument as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
     try:
-        return hooks.shared_broker(url, migrate=options["migrate"])
+        # The page only reads: no timer thread (it would write, and the connection may
+        # use a role that can only SELECT).
+        return hooks.shared_broker(url, migrate=options["migrate"], timers=False)
     except BrokerError as exc:
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE, f"connection {name!r}: {exc}"

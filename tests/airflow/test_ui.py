@@ -15,8 +15,10 @@ own auth manager (the simple one) signing the JWTs the tests present. What it pr
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -393,6 +395,54 @@ def test_connection_from_the_metastore(
             session.query(Connection).filter(Connection.conn_id == conn_id).delete()
         broker.close()
         hooks.close_brokers()
+
+
+@pytest.mark.postgres
+def test_the_page_needs_only_select_and_fires_no_timers(
+    api_server: Any, admin: dict[str, str], postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guide's monitor role (SELECT on every table) is enough for the page's
+    connection: the page only reads, and its broker runs no timer thread (which would
+    write, and fail for that role on every poll)."""
+    from scheduler_lib.airflow import hooks
+
+    broker = Broker(postgres_url)
+    sent = send_rows(broker)
+    role = f"scheduler_lib_monitor_{secrets.token_hex(4)}"
+    owner = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with owner.connect() as conn:
+        conn.exec_driver_sql(f'CREATE ROLE "{role}" LOGIN')
+        conn.exec_driver_sql(f'GRANT SELECT ON ALL TABLES IN SCHEMA public TO "{role}"')
+    reader = sa.make_url(postgres_url).set(username=role, password=None)
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SCHEDULER_LIB_DEFAULT",
+        json.dumps(
+            {"conn_type": "scheduler_lib", "host": reader.render_as_string(hide_password=False)}
+        ),
+    )
+
+    def timer_threads() -> int:
+        return sum(t.name == "broker-timers" for t in threading.enumerate())
+
+    before = timer_threads()
+    try:
+        # When the page is opened through the SELECT-only role
+        response = api_server.get(f"{PREFIX}/api/snapshot", headers=admin)
+        # Then it shows every row, and opened its broker without a timer thread
+        assert response.status_code == 200, response.text
+        assert ids(response.json()["log"]) == sent.everything()
+        assert hooks._brokers, "the page opened no broker"
+        assert timer_threads() == before
+        # (a write through that role is refused: the role really is read-only)
+        with sa.create_engine(reader).connect() as conn, pytest.raises(sa.exc.ProgrammingError):
+            conn.exec_driver_sql("DELETE FROM execution_log")
+    finally:
+        hooks.close_brokers()
+        broker.close()
+        with owner.connect() as conn:
+            conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
+            conn.exec_driver_sql(f'DROP ROLE "{role}"')
+        owner.dispose()
 
 
 def test_a_missing_connection_is_named(
