@@ -260,6 +260,24 @@ def test_airflow_runs_the_four_components_with_dags_and_plugins(compose: dict[st
         assert depends["broker-init"]["condition"] == "service_completed_successfully"
 
 
+def test_the_page_reads_as_the_monitor_role_which_only_the_api_server_gets(
+    compose: dict[str, Any], env: dict[str, str]
+) -> None:
+    services = compose["services"]
+    # The Execution Status page (on the api-server) reads through its own connection...
+    api = services["airflow-apiserver"]["environment"]
+    name = api["AIRFLOW__SCHEDULER_LIB__UI_CONN_ID"]
+    connection = json.loads(api[f"AIRFLOW_CONN_{name.upper()}"])
+    assert connection["conn_type"] == "scheduler_lib"
+    # ... as the monitor role (SELECT only), never migrating
+    assert connection["host"].startswith("postgresql://scheduler_lib_monitor:")
+    assert connection["extra"] == {"migrate": False}
+    # And no other service is given the monitor role's password but the database's init
+    password = env["BROKER_MONITOR_PASSWORD"]
+    holders = sorted(n for n, s in services.items() if password in json.dumps(s))
+    assert holders == ["airflow-apiserver", "postgres"]
+
+
 def test_the_worker_is_submitted_to_the_spark_master(compose: dict[str, Any]) -> None:
     services = compose["services"]
     worker = services["scheduler-lib-worker"]
