@@ -38,7 +38,7 @@ from typing import Any
 import psycopg
 
 from bench.broker_throughput import append_docs, log
-from bench.peers.systems import WorkerProcess, fresh_db, jitter
+from bench.peers.systems import WorkerProcess, drop_templates, fresh_db, jitter
 from bench.peers.worker import TASK_QUEUE
 from bench.peers.workloads import WARM_DISPATCH, no_op, ours_dispatch_calls
 
@@ -205,8 +205,11 @@ def main() -> None:
     if args.worker:
         instrumented_worker(*args.worker)
         return
-    alone = caller_alone(args.samples)
-    path = whole_path(args.samples)
+    try:
+        alone = caller_alone(args.samples)
+        path = whole_path(args.samples)
+    finally:
+        drop_templates()  # the template database fresh_db cloned from
     section = markdown(alone, path, args.samples)
     print(section)
     if args.write_docs:
