@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ from scheduler_lib.broker import (
     BrokerError,
     InvalidArgument,
     activation,
+    connections,
     engine,
     schema,
     transport,
@@ -102,7 +104,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _transport_endpoint(broker: Broker, args: argparse.Namespace) -> transport.TransportEndpoint:
     """The endpoint ``serve --listen`` runs, from its flags."""
-    import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     server_ssl = client_ssl = None
@@ -201,7 +202,6 @@ def _routes(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     """A Spark driver serving a target queue until SIGTERM / SIGINT (or idle, launched)."""
-    import logging
 
     from scheduler_lib import spark
     from scheduler_lib.spark import session, worker
@@ -634,12 +634,38 @@ def build_parser() -> argparse.ArgumentParser:
     ddl.add_argument("--dialect", choices=["postgresql", "sqlite"], required=True)
     ddl.add_argument("--schema", choices=["broker", "scheduler"], default="broker")
     ddl.set_defaults(run=_ddl)
+    for command in commands.choices.values():
+        if any("--db" in action.option_strings for action in command._actions):
+            command.add_argument(
+                "--reconnect-timeout",
+                type=_seconds,
+                metavar="SECONDS",
+                help="how long to keep trying while the database is unreachable (restart, "
+                f"failover) before giving up (default: ${connections.RECONNECT_TIMEOUT_ENV} "
+                f"or {connections.RECONNECT_TIMEOUT:.0f})",
+            )
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        return connections.reconnect_timeout(float(text))
+    except (ValueError, InvalidArgument):
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds >= 0, got {text!r}"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``scheduler-lib``."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "reconnect_timeout", None) is not None:
+        # Every broker of this command, and of the reader processes it starts, uses it.
+        os.environ[connections.RECONNECT_TIMEOUT_ENV] = str(args.reconnect_timeout)
+    if args.command not in ("serve", "worker"):
+        # A command that reports (run, status, ...) says what matters itself: an outage
+        # as a progress line, a failure as one error line. The long-running services log.
+        logging.getLogger("scheduler_lib").addHandler(logging.NullHandler())
     try:
         return int(args.run(args))
     except BrokerError as exc:

@@ -183,6 +183,7 @@ class ActivationRuntime:
         self._monitors: dict[str, threading.Thread] = {}
         self._readers: dict[str, threading.Thread] = {}
         self._reader_queues: dict[str, str] = {}  # task id -> queue
+        self._starting: set[str] = set()  # task ids being inserted, their thread not yet up
         self._lock = threading.Lock()
         self._listening: set[str] = set()
         self._failed_at: dict[str, float] = {}  # queue -> when a reader last failed
@@ -357,6 +358,8 @@ class ActivationRuntime:
                 capped = self.reader_cap is not None and self.readers_of(queue) >= self.reader_cap
                 if needed and running < info.max_readers and not capped:
                     task_id = str(uuid.uuid4())
+                    with self._lock:
+                        self._starting.add(task_id)
                     tx._execute(
                         "task_insert",
                         task_id=task_id,
@@ -381,6 +384,8 @@ class ActivationRuntime:
             posted = self._post_activation_events(tx, queue, monitor, head, nobody_waiting, now)
         for task_id, procedure in started:
             self._start_reader(task_id, queue, procedure)
+        with self._lock:
+            self._starting.difference_update(t for t, _ in started)
         self._saturated[queue] = full
         return Decision(queue, True, running, len(started), posted)
 
@@ -445,11 +450,13 @@ class ActivationRuntime:
                 self.empty_grace,
             )
         finally:
-            with contextlib.suppress(Exception), self.broker.transaction() as tx:
-                tx._execute("task_delete", task_id=task_id)
             with self._lock:
                 self._readers.pop(task_id, None)
                 self._reader_queues.pop(task_id, None)
+            # If the database is away now, the heartbeat removes the row once it is back:
+            # it vouches only for readers that still run.
+            with contextlib.suppress(Exception), self.broker.transaction() as tx:
+                tx._execute("task_delete", task_id=task_id)
             # "all readers exited" is a reason to re-check at once
             self.broker._wakeups.notify({queue, _readers_key(queue)})
 
@@ -470,8 +477,15 @@ class ActivationRuntime:
         """
         now = self.clock()
         with self.broker.transaction() as tx:
+            rows = tx._all("tasks_of_runtime", runtime_id=self.runtime_id)
+            with self._lock:
+                live = set(self._readers) | self._starting
+            # A reader that ended while the database was away could not remove its row.
+            gone = [r["task_id"] for r in rows if r["task_id"] not in live]
+            for task_id in gone:
+                tx._execute("task_delete", task_id=task_id)
             tx._execute("tasks_heartbeat", runtime_id=self.runtime_id, now=now)
-            return tx._count("tasks_expire", cutoff=now - self.heartbeat_expiry)
+            return len(gone) + tx._count("tasks_expire", cutoff=now - self.heartbeat_expiry)
 
 
 def _readers_key(queue: str) -> str:

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import inspect
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
+from scheduler_lib.broker import connections, exceptions, poison, schema, store, wakeup
 from scheduler_lib.broker import engine as engines
-from scheduler_lib.broker import poison, schema, store, wakeup
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
 from scheduler_lib.broker.models import QueueInfo, Validation
@@ -22,6 +24,7 @@ from scheduler_lib.broker.routes import RouteOperations
 from scheduler_lib.broker.transaction import Transaction
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_MESSAGE_SIZE = 64 * 1024 * 1024  # bytes of body a message may carry
 EMPTY_RECEIVE_STAMP_INTERVAL = 0.25  # seconds; how often a process stamps empty receives
@@ -47,6 +50,11 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         while this broker is open, whether or not anybody waits on those queues
     :param max_message_size: largest body accepted by SEND, in bytes
     :param clock: seconds since the epoch for activation bookkeeping (injectable for tests)
+    :param reconnect_timeout: seconds an operation keeps trying while the database is
+        unreachable (restarting, failing over) before it raises
+        :class:`~scheduler_lib.broker.exceptions.DatabaseUnavailable`; default
+        ``SCHEDULER_LIB_RECONNECT_TIMEOUT``, else 120. Every operation called on the
+        broker itself rides through such an outage (see :meth:`retrying`)
     """
 
     def __init__(
@@ -58,8 +66,14 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         max_message_size: int = MAX_MESSAGE_SIZE,
         engine_options: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.time,
+        reconnect_timeout: float | None = None,
     ) -> None:
+        timeout = connections.reconnect_timeout(reconnect_timeout)
         self._engine = engines.create_engine(url, **(engine_options or {}))
+        self._closed = threading.Event()
+        self.availability = connections.Availability(
+            self._engine.url, timeout, self._closed, self._engines
+        )
         self._store = store.Store(self._engine.dialect)
         # Single-statement fast paths run on connections that are always in autocommit,
         # rather than switching a pooled connection back and forth on every checkout.
@@ -77,7 +91,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         # validation in the database, so a stale entry costs a slow path, never a wrong send.
         self._validation_cache: dict[str, Validation] = {}
         if migrate:
-            schema.migrate(self._engine)
+            self.retrying(lambda: _migrating(self._engine), what="migrate")
         self._wakeups = wakeup.Wakeups()
         self._listener: wakeup.PostgresListener | None = None
         self._watcher: wakeup.SqliteWatcher | None = None
@@ -97,7 +111,6 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         self._empty_stamped: dict[str, float] = {}
         self._waiting_noted: dict[str, float] = {}
         self._empty_stamp_lock = threading.Lock()
-        self._closed = threading.Event()
         self._lease_keeper: poison.LeaseKeeper | None = None  # started on first use
         self._lease_keeper_lock = threading.Lock()
         self._timer_wakeup = threading.Event()
@@ -116,6 +129,30 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         this broker's database. Idempotent."""
         schema.migrate(self._engine, migrations=migrations)
 
+    def _engines(self) -> list[sa.Engine]:
+        engines = [self._engine, self._autocommit_engine, self._async_engine]
+        return [e for e in engines if e is not None]
+
+    def retrying(self, call: Callable[[], T], *, what: str = "the operation") -> T:
+        """``call()`` — work in transactions of its own — run again on a fresh
+        connection while it fails because the connection was lost before a commit,
+        backing off while the database is unreachable, until the reconnect deadline.
+        Every operation called on the broker itself already does this; use it for a
+        ``with broker.transaction()`` block that may be repeated::
+
+            def answer() -> None:
+                with broker.transaction() as tx:
+                    ...
+            broker.retrying(answer)
+
+        A connection lost during the commit of a transaction that wrote is raised
+        (:class:`~scheduler_lib.broker.exceptions.ConnectionLost` with ``committing``):
+        it may have committed, and only the caller can tell.
+
+        :raises DatabaseUnavailable: the database stayed away past the deadline
+        """
+        return self.availability.retrying(call, what=what)
+
     def has_query(self, query: str) -> bool:
         """Whether this database's dialect has the named query (some exist on one only)."""
         return self._store.has(query)
@@ -123,14 +160,22 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
     def run(self, query: str, /, **params: Any) -> int:
         """Run one named statement (of :meth:`use_queries`) in a transaction of its own —
         on PostgreSQL in autocommit, one round trip; how many rows it changed."""
-        with self._single_statement() as tx:
-            return tx.run(query, **params)
+
+        def statement() -> int:
+            with self._single_statement() as tx:
+                return tx.run(query, **params)
+
+        return self.retrying(statement, what=query)
 
     def fetch(self, query: str, /, **params: Any) -> list[Any]:
         """The rows of one named query (of :meth:`use_queries`), in a transaction of its
         own — on PostgreSQL in autocommit, one round trip."""
-        with self._single_statement() as tx:
-            return tx.fetch(query, **params)
+
+        def read() -> list[Any]:
+            with self._single_statement() as tx:
+                return tx.fetch(query, **params)
+
+        return self.retrying(read, what=query)
 
     def _take_waiting(
         self, queue: str, top: int, duration: float, holder: str, timeout: float | None
@@ -207,7 +252,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                         connect_args={"options": "-c synchronous_commit=off"},
                     )
         now = time.time()
-        with self._async_engine.connect() as conn:
+        with connections.connect(self._async_engine) as conn:
             rows = self._store.rows(
                 conn,
                 "take_fast",
@@ -439,13 +484,20 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                 if count <= 0:  # the timer thread unregisters it once the linger is over
                     self._waiters_idle_since[queue] = time.monotonic()
                 return
-        self._register_waiter(queue, +1)
+        try:
+            self._register_waiter(queue, +1)
+        except BaseException:
+            with self._waiters_lock:  # not registered: the next waiter tries again
+                self._registered.discard(queue)
+                self._waiters[queue] = max(self._waiters.get(queue, 1) - 1, 0)
+            raise
 
     def _register_waiter(self, queue: str, delta: int) -> None:
         name = "queue_add_waiter" if delta > 0 else "queue_remove_waiter"
-        with self._engine.begin() as conn:
+        with connections.connect(self._engine) as conn:
             self._store.execute(conn, "commit_without_fsync")
             self._store.execute(conn, name, name=queue)
+            conn.commit()
 
     def _unregister_idle_waiters(self) -> float | None:
         """Drop registrations whose linger is over; seconds until the next one ends."""
@@ -481,7 +533,9 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             fired = tx._fire_due_timers(time.time())
         # Apart, so that a failing poison policy cannot hold conversation timers up.
         with self.transaction() as tx:
-            fired += poison.expire_leases(tx, time.time())
+            # A lease is not expired before its holder had a whole lease to renew it
+            # since the database came back: a live worker is never lost to an outage.
+            fired += poison.expire_leases(tx, time.time(), self.availability.recovered_at)
             fired += poison.redeliver_parked(tx, time.time())
         return fired
 
@@ -490,9 +544,15 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             try:
                 while self.fire_timers():
                     pass
-                with self._engine.connect() as conn:
+                with connections.connect(self._engine) as conn:
                     deadline = self._store.scalar(conn, "next_deadline")
                     conn.rollback()
+                self.availability.mark_ok()
+            except exceptions.ConnectionLost as exc:
+                # This thread looks every second: it notices an outage (and its end) for
+                # the whole process, which is what lease expiry measures from.
+                self.availability.mark_lost(exc)
+                deadline = None
             except Exception:  # the thread must outlive a passing database error
                 log.warning("timer thread: firing timers failed", exc_info=True)
                 deadline = None
@@ -507,3 +567,34 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             self._timer_wakeup.wait(sleep)
             self._timer_wakeup.clear()
             self._timer_sleeps_until = 0.0  # awake: every new deadline will be seen
+
+
+def _migrating(engine: sa.Engine) -> None:
+    """Apply the migrations; a server that is not up yet is a lost connection (a broker
+    started during an outage waits for the database, as its operations do)."""
+    try:
+        schema.migrate(engine)
+    except sa.exc.DBAPIError as exc:
+        if engine.dialect.name == "postgresql" and connections.is_lost(exc):
+            raise connections.lost("migrate", exc) from exc
+        raise
+
+
+def _rides_through(operation: Callable[..., T]) -> Callable[..., T]:
+    """An operation called on the broker runs in a transaction of its own, so it can be
+    run again when that transaction's connection is lost (see :meth:`Broker.retrying`)."""
+
+    @functools.wraps(operation)
+    def short_form(self: Broker, *args: Any, **kwargs: Any) -> T:
+        return self.retrying(lambda: operation(self, *args, **kwargs), what=operation.__name__)
+
+    return short_form
+
+
+# The operations shared with Transaction (where the caller owns the transaction, and a
+# lost connection is the caller's to handle) ride through outages on the broker itself.
+for _operations in (CatalogOperations, ConversationOperations, PoisonOperations, RouteOperations):
+    for _name, _operation in vars(_operations).items():
+        public = not _name.startswith("_") and inspect.isfunction(_operation)
+        if public and _name not in vars(Broker):
+            setattr(Broker, _name, _rides_through(_operation))

@@ -99,3 +99,20 @@ class TransactionError(BrokerError):
 
 class DatabaseError(BrokerError):
     """The database reported an error the broker did not expect."""
+
+
+class ConnectionLost(DatabaseError):
+    """The connection to the database was lost (a restart, a failover, a network blip, a
+    terminated backend); the connection has been thrown away, try again."""
+
+    def __init__(
+        self, message: str | None = None, *, hint: str | None = None, committing: bool = False
+    ) -> None:
+        super().__init__(message, hint=hint)
+        #: lost while a transaction that wrote was committing: it may or may not have
+        #: committed, so only work that can tell (or that is safe to repeat) is retried
+        self.committing = committing
+
+
+class DatabaseUnavailable(DatabaseError):
+    """The database could not be reached again within the reconnect deadline."""

@@ -602,6 +602,21 @@ class PoisonOperations:
                 raise _lost(lease)
             return _fail_leased(tx, row, "FAILED", _error_text(error))
 
+    def release(self, lease: Lease) -> None:
+        """Give the message back untouched: the work never began (its start could not
+        be recorded). Not a failure — nothing is counted; it is next on its queue.
+
+        :raises LeaseLost: when the lease already expired or ended
+        """
+        with self._operation() as tx:
+            row = tx._one("lease_get", lease_id=lease.lease_id)
+            if row is None:
+                raise _lost(lease)
+            tx._execute("lease_delete", lease_id=lease.lease_id)
+            endpoint = tx._one("endpoint_get", handle=row["conversation_handle"])
+            if endpoint is not None:
+                _requeue(tx, _message(row), ConversationEndpoint.from_row(endpoint))
+
     def leases(self, queue: str | None = None) -> list[Mapping[str, Any]]:
         """Leases held now, oldest first (message bodies left out)."""
         with self._operation() as tx:
@@ -888,16 +903,17 @@ def _fail_leased(tx: Transaction, row: Mapping[str, Any], kind: str, error: str 
     return "routed"
 
 
-def expire_leases(tx: Transaction, now: float, limit: int = 100) -> int:
-    """Leases whose heartbeat ran out are silent failures."""
+def expire_leases(tx: Transaction, now: float, recovered_at: float = 0.0, limit: int = 100) -> int:
+    """Leases whose heartbeat ran out are silent failures — once their worker had a whole
+    lease to renew them since the database came back (``recovered_at``, epoch seconds)."""
     expired = 0
-    for row in tx._all("leases_expired", now=now, limit=limit):
+    for row in tx._all("leases_expired", now=now, recovered_at=recovered_at, limit=limit):
         silent = now - float(row["heartbeat_at"])
         _fail_leased(
             tx,
             row,
             "EXPIRED",
-            f"lease expired: worker {row['worker']} stopped renewing it "
+            f"worker lost, lease expired: worker {row['worker']} stopped renewing it "
             f"(last heartbeat {silent:.1f} s ago)",
         )
         expired += 1
@@ -1060,6 +1076,9 @@ class PoisonDetector:
 # --- keeping leases alive ---------------------------------------------------------------
 
 
+RENEW_RETRY = 1.0  # seconds before a renewal that failed is tried again
+
+
 class LeaseKeeper:
     """One thread per broker that renews the leases its workers hold (their heartbeat):
     each at a third of its duration, or at the interval a holder asked for. Workers
@@ -1129,5 +1148,9 @@ class LeaseKeeper:
                     lost[lease.lease_id] = exc
                     with self._changed:
                         self._due.pop(lease.lease_id, None)
-                except Exception:  # a passing database error: try again next time
+                except Exception:  # a passing database error: try again soon
+                    # (renew itself rides through an outage up to the reconnect deadline)
                     log.warning("renewing lease %s failed", lease.lease_id, exc_info=True)
+                    with self._changed:
+                        if lease.lease_id in self._due:
+                            self._due[lease.lease_id] = time.monotonic() + RENEW_RETRY

@@ -6,14 +6,13 @@ named queries from ``sql/queries*.sql``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from scheduler_lib.broker import exceptions, queries
+from scheduler_lib.broker import connections, exceptions, queries
 
 Row = Mapping[str, Any]
 
@@ -65,7 +64,7 @@ class Store:
         except sa_exc.IntegrityError as exc:
             raise _integrity_error(query, exc) from exc
         except sa_exc.DBAPIError as exc:
-            raise exceptions.DatabaseError(f"{query}: {exc.orig}") from exc
+            raise _dbapi_error(conn, query, exc) from exc
 
     def one(self, conn: sa.Connection, query: str, /, **params: Any) -> Row | None:
         """The first row of a named query as a mapping, or ``None``."""
@@ -163,22 +162,32 @@ class Store:
             except sa_exc.IntegrityError as exc:
                 raise _integrity_error(name, exc) from exc
             except sa_exc.DBAPIError as exc:
-                raise exceptions.DatabaseError(f"{name}: {exc.orig}") from exc
+                raise _dbapi_error(conn, name, exc) from exc
+
+
+def _dbapi_error(conn: sa.Connection, name: str, exc: sa_exc.DBAPIError) -> Exception:
+    """A driver error SQLAlchemy wrapped: a lost connection (SQLAlchemy has invalidated
+    it; the pool's older connections go with it) or any other database error."""
+    if connections.is_lost(exc):
+        connections.invalidate(conn, exc)
+        return connections.lost(name, exc)
+    return exceptions.DatabaseError(f"{name}: {exc.orig}")
 
 
 def _driver_error(conn: sa.Connection, name: str, exc: Exception) -> Exception:
     """What a driver error on the driver's own cursor means to the broker's callers: a
-    lost connection is invalidated (SQLAlchemy never saw the error, and would hand the
-    dead connection out again) and becomes a DatabaseError — not the caller's fault, try
-    again — as any other server error does; a constraint violation becomes AlreadyExists
-    or InUse. Anything else (a bug of ours) is left as it is."""
+    lost connection is invalidated with the pool's older connections (SQLAlchemy never
+    saw the error, and would hand the dead connections out again) and becomes
+    ConnectionLost — not the caller's fault, try again; a constraint violation becomes
+    AlreadyExists or InUse; any other server error a DatabaseError. Anything else (a bug
+    of ours) is left as it is."""
     if not type(exc).__module__.startswith("psycopg"):
         return exc
     driver = conn.connection.driver_connection
-    if getattr(driver, "broken", False) or getattr(driver, "closed", False):
-        with contextlib.suppress(Exception):
-            conn.invalidate(exc)
-        return exceptions.DatabaseError(f"{name}: the connection was lost ({exc})")
+    broken = getattr(driver, "broken", False) or getattr(driver, "closed", False)
+    if broken or connections.is_lost(exc):
+        connections.invalidate(conn, exc)
+        return connections.lost(name, exc)
     state = getattr(exc, "sqlstate", None)
     if state is not None and state.startswith("23"):  # integrity constraint violation
         return _constraint_error(name, exc)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import exceptions, wakeup
+from scheduler_lib.broker import connections, exceptions, wakeup
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import (
@@ -71,6 +71,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         self._transmitted = False  # put messages in the transmission queue: wake the transport
         self._queue_cache: dict[str, QueueInfo] | None = None  # set by the transport's batches
         self._in_gate = False
+        self._lost = False  # ended by a lost connection
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -83,6 +84,9 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         if exc_type is None:
             self.commit()
         else:
+            # A lost connection is not the messages' fault: it is not counted as a
+            # rollback by poison message detection (an outage would disable queues).
+            self._lost = isinstance(exc, exceptions.ConnectionLost)
             self.rollback()
 
     def commit(self) -> None:
@@ -98,14 +102,24 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                 self._store.execute(conn, "queue_notify", name=queue)
             if self._transmitted and self._store.has("transmission_notify"):
                 self._store.execute(conn, "transmission_notify")
-            conn.commit()
-        except BaseException:
-            failed = True
-            conn.rollback()
+            try:
+                conn.commit()
+            except sa.exc.DBAPIError as exc:
+                if not connections.is_lost(exc):
+                    raise exceptions.DatabaseError(f"commit: {exc.orig}") from exc
+                connections.invalidate(conn, exc)
+                # Lost during COMMIT: a transaction that wrote may or may not have
+                # committed. One that only read did nothing either way.
+                raise connections.lost("commit", exc, committing=self._wrote) from exc
+        except BaseException as exc:
+            failed = not isinstance(exc, exceptions.ConnectionLost)
+            with contextlib.suppress(Exception):  # a lost connection has nothing to undo
+                conn.rollback()
             raise
         finally:
             try:
-                conn.close()
+                with contextlib.suppress(Exception):
+                    conn.close()
             finally:
                 self._connection = None
                 self._leave_gate()
@@ -129,15 +143,20 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             self._connection = None
             try:
                 conn.rollback()
+            except sa.exc.DBAPIError as exc:
+                if not connections.is_lost(exc):  # the server rolled back a lost one itself
+                    raise
+                connections.invalidate(conn, exc)
             finally:
-                conn.close()
+                with contextlib.suppress(Exception):
+                    conn.close()
                 self._leave_gate()
         self._after_rollback()
 
     def _after_rollback(self) -> None:
         # A rolled-back RECEIVE put messages back: their queue monitors look again, and
         # built-in poison message detection counts the rollback.
-        if self._receipts:
+        if self._receipts and not self._lost:
             self._broker._count_rollbacks(frozenset(self._receipts))
         self._broker._wakeups.notify(self._received_queues)
 
@@ -183,7 +202,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         self._check_open()
         if self._connection is None:
             engine = self._broker._autocommit_engine if self._autocommit else None
-            self._connection = (engine or self._broker._engine).connect()
+            self._connection = connections.connect(engine or self._broker._engine)
         self._enter_gate()
         return self._connection
 

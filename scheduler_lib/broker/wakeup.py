@@ -11,6 +11,7 @@ interval, so a lost notification costs a little latency, never a hang.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import defaultdict
@@ -26,7 +27,8 @@ SQLITE_WATCH_INTERVAL = 0.005  # seconds between reads of PRAGMA data_version
 SQLITE_POLL_INTERVAL = 0.5  # seconds; fallback re-check by a waiter on SQLite
 POSTGRESQL_POLL_INTERVAL = 1.0  # seconds; fallback should a NOTIFY be missed
 LISTEN_POLL_TIMEOUT = 0.1  # seconds; how quickly the listener notices stop()
-LISTENER_RECONNECT_DELAY = 1.0  # seconds before the LISTEN connection is reopened
+LISTENER_FIRST_RETRY = 0.05  # seconds before a lost LISTEN connection is first reopened
+LISTENER_RECONNECT_DELAY = 1.0  # seconds between reopening attempts at most
 
 
 class Wakeups:
@@ -119,19 +121,29 @@ class PostgresListener:
 
         url = self._engine.url.set(drivername="postgresql")
         conninfo = url.render_as_string(hide_password=False)
+        delay = LISTENER_FIRST_RETRY
         while not self._stopped.is_set():
             try:
                 with psycopg.connect(conninfo, autocommit=True) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self._ready.set()
-                    self._wakeups.notify_all()  # anything sent while we were away
+                    if delay > LISTENER_FIRST_RETRY:
+                        log.warning("LISTEN connection back")
+                    delay = LISTENER_FIRST_RETRY
+                    # Every waiter looks at its queue at once: anything sent while we
+                    # were away sent a NOTIFY nobody heard.
+                    self._wakeups.notify_all()
                     while not self._stopped.is_set():
                         for notification in conn.notifies(timeout=LISTEN_POLL_TIMEOUT):
                             self._wakeups.notify({notification.payload})
-            except Exception:  # a dropped connection must not kill wakeups for good
+            except Exception as exc:  # a dropped connection must not kill wakeups for good
                 self._ready.clear()
-                log.warning("LISTEN connection lost; reconnecting", exc_info=True)
-                self._stopped.wait(LISTENER_RECONNECT_DELAY)
+                if delay == LISTENER_FIRST_RETRY:  # once per outage, not once per retry
+                    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    log.warning("LISTEN connection lost (%s); reconnecting", first_line)
+                # Waiters poll meanwhile; back soon after the server is, without hammering.
+                self._stopped.wait(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, LISTENER_RECONNECT_DELAY)
 
 
 class SqliteWatcher:

@@ -24,6 +24,7 @@ from scheduler_lib.broker import (
     END_DIALOG,
     ERROR,
     Broker,
+    ConnectionLost,
     ConversationNotFound,
     ConversationStateError,
     EndpointState,
@@ -81,6 +82,9 @@ class SchedulerHandle:
     ended: SchedulerEnded | None = None  # the conversation ended; raised when ahead is empty
     arrivals: int | None = None  # the initiator queue's arrivals before the last RECEIVE
     names: dict[int, str] = dataclasses.field(default_factory=dict)  # log id -> task label
+    # log ids whose completion was returned: an answer taken twice (its RECEIVE's commit
+    # was lost, so its completion was read from the log) is returned once
+    completed: set[int] = dataclasses.field(default_factory=set)
 
     def __str__(self) -> str:
         return str(self.conversation_handle)
@@ -335,19 +339,26 @@ class TaskScheduler:
         :return: (tasks cancelled before they started, running tasks asked to stop)
         """
         now = time.time()
-        with self.broker.transaction() as tx:
-            queued = tx.run(
-                "log_cancel_queued", handle=str(handle.conversation_handle), reason=reason, now=now
-            )
-            stopping = 0
-            if running:
-                stopping = tx.run(
-                    "log_cancel_running",
+
+        def cancel() -> tuple[int, int]:
+            with self.broker.transaction() as tx:
+                queued = tx.run(
+                    "log_cancel_queued",
                     handle=str(handle.conversation_handle),
                     reason=reason,
                     now=now,
                 )
-        return queued, stopping
+                stopping = 0
+                if running:
+                    stopping = tx.run(
+                        "log_cancel_running",
+                        handle=str(handle.conversation_handle),
+                        reason=reason,
+                        now=now,
+                    )
+            return queued, stopping
+
+        return self.broker.retrying(cancel, what="cancel")
 
     def log(self, handle: SchedulerHandle | uuid.UUID | str) -> list[Mapping[str, Any]]:
         """The scheduler's ``execution_log`` rows, in the order they were sent (``handle``
@@ -374,40 +385,57 @@ class TaskScheduler:
             f'{{"log_id": {log_id}, "task": {body}, "wave": {json.dumps(wave)}}}'
             for log_id, body in zip(log_ids, bodies, strict=True)
         ]
-        with self.broker.transaction() as tx:
-            if len(tasks) == 1:
-                [task] = tasks
-                row = {
-                    "log_id": log_ids[0],
-                    "name": task.label[:256],
-                    "kind": task.kind,
-                    "body": bodies[0],
-                    **common,
-                }
-                tx.send(
-                    handle.conversation_handle,
-                    self.names.sent,
-                    messages[0],
-                    before=("log_insert_one", row),
-                )
-            else:
-                rows = {
-                    "log_ids": log_ids,
-                    "names": [t.label[:256] for t in tasks],
-                    "kinds": [t.kind for t in tasks],
-                    "bodies": bodies,
-                    **common,
-                }
-                tx.send_many(
-                    handle.conversation_handle,
-                    self.names.sent,
-                    messages,
-                    before=("log_insert_many", rows),
-                )
+
+        def send() -> None:
+            with self.broker.transaction() as tx:
+                if len(tasks) == 1:
+                    [task] = tasks
+                    row = {
+                        "log_id": log_ids[0],
+                        "name": task.label[:256],
+                        "kind": task.kind,
+                        "body": bodies[0],
+                        **common,
+                    }
+                    tx.send(
+                        handle.conversation_handle,
+                        self.names.sent,
+                        messages[0],
+                        before=("log_insert_one", row),
+                    )
+                else:
+                    rows = {
+                        "log_ids": log_ids,
+                        "names": [t.label[:256] for t in tasks],
+                        "kinds": [t.kind for t in tasks],
+                        "bodies": bodies,
+                        **common,
+                    }
+                    tx.send_many(
+                        handle.conversation_handle,
+                        self.names.sent,
+                        messages,
+                        before=("log_insert_many", rows),
+                    )
+
+        self._exactly_once(send, sent=lambda: bool(self.broker.fetch("log_get", log_id=log_ids[0])))
         handle.in_flight += len(log_ids)
         for log_id, task in zip(log_ids, tasks, strict=True):
             handle.names[log_id] = task.label
         return log_ids
+
+    def _exactly_once(self, work: Callable[[], None], *, sent: Callable[[], bool]) -> None:
+        """``work`` (one transaction), riding through a lost connection: run again when
+        it certainly did not commit; when its commit's answer was lost, ``sent()`` (read
+        on a fresh connection) says whether it went through."""
+        while True:
+            try:
+                self.broker.retrying(work, what="exec_async")
+                return
+            except ConnectionLost as exc:  # lost while committing
+                if self.broker.retrying(sent, what="exec_async"):
+                    return
+                log.warning("%s; it did not commit: sending again", exc)
 
     def _next_log_ids(self, n: int) -> list[int]:
         """``n`` unused log ids of ``execution_log``'s sequence, taken LOG_ID_BLOCK at a
@@ -515,6 +543,8 @@ class TaskScheduler:
                 messages = self._take_answers(key, len(progress.pending), step)
             except ConversationNotFound:
                 continue  # released meanwhile: the next look says so
+            except ConnectionLost:
+                continue  # lost while the RECEIVE committed: the log is what counts
             self._end_if_ended(key, messages)
 
     def drain(self, handle: SchedulerHandle | uuid.UUID | str) -> int:
@@ -528,6 +558,8 @@ class TaskScheduler:
                 messages = self._take_answers(key, 100, 0)
             except ConversationNotFound:
                 return taken
+            except ConnectionLost:
+                continue  # lost while the RECEIVE committed: take what is still there
             if not messages:
                 return taken
             taken += len(messages)
@@ -678,30 +710,72 @@ class TaskScheduler:
             )  # at most ``wait`` for a first answer, then ``wait`` for the others
             if timeout is not None:
                 timeout = max(0.0, timeout - (time.monotonic() - started))
-        handle.arrivals = self.broker.arrivals(queue)
-        # Every completion already there in one RECEIVE; the others wait in ``ahead``.
-        messages = self._take_answers(
-            str(handle.conversation_handle), max(1, handle.in_flight), timeout
-        )
-        if not messages:
-            raise SynchronizationTimeout(
-                f"scheduler {handle}: no task completed within {timeout} s "
-                f"({handle.in_flight} in flight)"
-            )
-        completions = []
-        for message in messages:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            handle.arrivals = self.broker.arrivals(queue)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            # Every completion already there in one RECEIVE; the others wait in ``ahead``.
             try:
-                completions.append(self._completion(handle, message))
-            except SchedulerEnded as ended:
-                handle.ended = ended  # raised once the completions before it are taken
-                break
-        if not completions:
-            assert handle.ended is not None
-            raise handle.ended
-        handle.ahead.extend(completions[1:])
-        return completions[0]
+                messages = self._take_answers(
+                    str(handle.conversation_handle), max(1, handle.in_flight), left
+                )
+            except ConnectionLost as exc:
+                # Lost while the RECEIVE committed: the answers it took may be gone with
+                # it. Their rows say how those tasks ended (a row's end and its answer
+                # commit together); an answer still queued is then skipped as a duplicate.
+                log.warning("scheduler %s: %s; reading completions from the log", handle, exc)
+                recovered = self._completions_from_log(handle)
+                if recovered:
+                    handle.ahead.extend(recovered[1:])
+                    return recovered[0]
+                continue
+            if not messages:
+                raise SynchronizationTimeout(
+                    f"scheduler {handle}: no task completed within {timeout} s "
+                    f"({handle.in_flight} in flight)"
+                )
+            completions = []
+            for message in messages:
+                try:
+                    completion = self._completion(handle, message)
+                except SchedulerEnded as ended:
+                    handle.ended = ended  # raised once the completions before it are taken
+                    break
+                if completion is not None:
+                    completions.append(completion)
+            if completions:
+                handle.ahead.extend(completions[1:])
+                return completions[0]
+            if handle.ended is not None:
+                raise handle.ended
+            # only answers already returned (from the log): wait for the next
 
-    def _completion(self, handle: SchedulerHandle, message: Any) -> Completion:
+    def _completions_from_log(self, handle: SchedulerHandle) -> list[Completion]:
+        """Completions of the scheduler's tasks that ended, per their rows, and were not
+        returned yet (their answers were taken by a RECEIVE whose commit was lost)."""
+        waiting = set(handle.names) - handle.completed
+        if not waiting:
+            return []
+        rows = self.broker.fetch("log_of_scheduler", handle=str(handle.conversation_handle))
+        completions = []
+        for row in rows:
+            log_id = int(row["log_id"])
+            if log_id in waiting and row["status"] in ENDED and row["end_time"] is not None:
+                handle.completed.add(log_id)
+                handle.in_flight -= 1
+                raw = row["result"]
+                completions.append(
+                    Completion(
+                        log_id=log_id,
+                        status=row["status"],
+                        error=row["error"],
+                        result=None if raw is None else json.loads(raw),
+                        task_name=handle.names.get(log_id),
+                    )
+                )
+        return completions
+
+    def _completion(self, handle: SchedulerHandle, message: Any) -> Completion | None:
         if message.message_type_name in (END_DIALOG, ERROR):
             with contextlib.suppress(ConversationNotFound, ConversationStateError):
                 self.broker.end_conversation(handle.conversation_handle)
@@ -713,8 +787,12 @@ class TaskScheduler:
                 f"{handle.in_flight} task(s) will not complete"
             )
         done = message.json()
-        handle.in_flight -= 1
         log_id = done.get("log_id")
+        if log_id is not None:
+            if log_id in handle.completed:
+                return None  # already returned, read from the log
+            handle.completed.add(log_id)
+        handle.in_flight -= 1
         raw = done.get("result")
         return Completion(
             log_id=log_id,
@@ -732,6 +810,11 @@ class TaskScheduler:
             return self.broker.receive(
                 self.names.initiator_queue, top=top, timeout=timeout, conversation=key
             )
+        return self.broker.retrying(
+            lambda: self._take_remote_answers(key, top, timeout), what="synchronization"
+        )
+
+    def _take_remote_answers(self, key: str, top: int, timeout: float | None) -> list[Any]:
         with self.broker.transaction() as tx:
             messages = tx.receive(
                 self.names.initiator_queue, top=top, timeout=timeout, conversation=key
@@ -771,8 +854,8 @@ class TaskScheduler:
     def _allowed(self, service: str) -> frozenset[str]:
         allowed = self._kinds.get(service)
         if allowed is None:
-            with self.broker.transaction() as tx:
-                row = tx.fetch_one("target_get", service=service)
+            rows = self.broker.fetch("target_get", service=service)
+            row = rows[0] if rows else None
             if row is None:
                 raise ServiceNotFound(
                     f"{service!r} is not a scheduler target service",

@@ -28,9 +28,11 @@ from scheduler_lib.broker import (
     END_DIALOG,
     ERROR,
     Broker,
+    ConnectionLost,
     ConversationNotFound,
     ConversationStateError,
     DatabaseError,
+    DatabaseUnavailable,
     LeaseLost,
     SentBy,
     Transaction,
@@ -116,7 +118,16 @@ class Executor:
             left = self.idle_timeout - (time.monotonic() - idle_since)
             if left <= 0:
                 return handled
-            if self.run_one(timeout=min(POLL, left)):
+            try:
+                took = self.run_one(timeout=min(POLL, left))
+            except (DatabaseError, LeaseLost) as exc:
+                # The database went away (past the reconnect deadline, or mid-commit):
+                # this reader stays and keeps trying (its calls back off); an outage is
+                # not idleness. What it held went back to the queue or expires.
+                log.warning("executor on %s: %s", self.queue, exc)
+                idle_since = time.monotonic()
+                continue
+            if took:
                 handled += 1
                 idle_since = time.monotonic()
         return handled
@@ -132,10 +143,29 @@ class Executor:
         if not leases:
             return False
         lease = leases[0]
-        started = self._start(lease)
+        try:
+            started = self._start_riding_through(lease)
+        except DatabaseError:
+            # Its start could not be recorded: it goes back to its queue untouched (not
+            # a failure), or, with the database still away, its lease expires later.
+            with contextlib.suppress(DatabaseError):
+                self.broker.release(lease)
+            raise
         if started is not None:
             self._run(lease, *started)
         return True
+
+    def _start_riding_through(self, lease: Lease) -> tuple[int, Task, Origin | None] | None:
+        """:meth:`_start`, again while the database is away past the reconnect deadline
+        (each call rides through up to it), unless this reader is asked to stop."""
+        while True:
+            try:
+                return self.broker.retrying(lambda: self._start(lease), what="a task's start")
+            except (DatabaseUnavailable, ConnectionLost) as exc:
+                if activation.stopping():
+                    raise
+                handle = lease.message.conversation_handle
+                log.warning("a task of %s not started yet: %s", handle, exc)
 
     def _is_remote(self, handle: Any) -> bool:
         """Whether the scheduler's conversation comes from another broker (its
@@ -306,9 +336,9 @@ class Executor:
             "result": encoded,
             "worker": self.worker(),
         }
-        try:
-            if lost:
-                raise next(iter(lost.values()))
+        ended_at = time.time()
+
+        def commit_outcome() -> None:
             with self.broker.transaction() as tx:
                 # The row's end goes first, in the answer's round trip; the answer ends the
                 # lease (a lost one rolls it all back) and goes last: its SEND locks the
@@ -322,14 +352,50 @@ class Executor:
                     encoded,
                     origin,
                     completing=lease,
-                    before=("log_finish", {"now": time.time(), **finish}),
+                    before=("log_finish", {"now": ended_at, **finish}),
                 )
+
+        try:
+            if lost:
+                raise next(iter(lost.values()))
+            self._commit_outcome(log_id, commit_outcome)
         except LeaseLost:
+            if self._outcome_recorded(log_id, status):
+                return  # our own commit went through before its connection was lost
             # It expired meanwhile (the poison policy retried or failed it and told the
             # caller), or its scheduler was released and ended: no second answer. The row
             # still says how this run ended, unless another worker has it by now.
             log.warning("task %s finished after it lost its lease; no answer sent", log_id)
-            self.broker.run("log_finish", now=time.time(), **finish)
+            self.broker.run("log_finish", now=ended_at, **finish)
+
+    def _commit_outcome(self, log_id: int, commit: Callable[[], None]) -> None:
+        """Commit a finished task's outcome (its row's end, its answer, its lease's end:
+        one transaction) — until it commits. The outcome is known and must not be lost,
+        whatever the database does meanwhile: a task that ran is never run again because
+        its answer could not be written. A commit whose connection was lost may have gone
+        through; trying it again then finds the lease ended (LeaseLost), and the row says
+        whether it was ours."""
+        while True:
+            try:
+                self.broker.retrying(commit, what=f"task {log_id}'s answer")
+                return
+            except ConnectionLost as exc:  # lost while committing: see above
+                log.warning("task %s: %s; trying again", log_id, exc)
+            except DatabaseUnavailable as exc:
+                log.warning("task %s: its answer waits for the database: %s", log_id, exc)
+
+    def _outcome_recorded(self, log_id: int, status: str) -> bool:
+        """Whether the task's row already holds this run's end (written by a commit whose
+        acknowledgement was lost)."""
+        with contextlib.suppress(DatabaseError):
+            (row,) = self.broker.fetch("log_get", log_id=log_id) or (None,)
+            return (
+                row is not None
+                and row["end_time"] is not None
+                and row["status"] == status
+                and row["worker_id"] == self.worker()
+            )
+        return False
 
     @contextlib.contextmanager
     def _permit(self, task: Task) -> Iterator[None]:

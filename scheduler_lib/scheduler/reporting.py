@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from scheduler_lib.broker import Broker, activation
+from scheduler_lib.broker.connections import Availability
 from scheduler_lib.broker.exceptions import InvalidArgument
 from scheduler_lib.scheduler import catalog
 from scheduler_lib.scheduler.client import Completion, RunReport, TaskScheduler
@@ -126,12 +127,26 @@ class PlanRunner:
             if not self.err.is_terminal and done[wave] == len(self.plan.waves[wave]):
                 self.err.print(f"wave {wave + 1}/{waves} done", highlight=False)
 
+        def outage(availability: Availability) -> None:
+            # An outage is progress news, not an error: the run goes on when it ends.
+            if availability.available:
+                line = "database back: continuing"
+            else:
+                line = (
+                    f"database unavailable, retrying for {availability.timeout:.0f} s "
+                    f"({(availability.last_error or '').splitlines()[0][:160]})"
+                )
+            if self.err.is_terminal:
+                progress.update(bar, description=line)
+            else:
+                self.err.print(line, highlight=False, markup=False)
+
+        self.broker.availability.watch(outage)
         with progress:
             yield advance
 
     def _rows(self, report: RunReport) -> list[Mapping[str, Any]]:
-        with self.broker.transaction() as tx:
-            return tx.fetch("log_of_scheduler", handle=str(report.scheduler_handle))
+        return self.broker.fetch("log_of_scheduler", handle=str(report.scheduler_handle))
 
 
 def _console() -> Console:

@@ -667,6 +667,10 @@ SELECT * FROM activated_tasks ORDER BY queue_name, started_at;
 -- A runtime vouches for its readers.
 UPDATE activated_tasks SET heartbeat_at = :now WHERE runtime_id = :runtime_id;
 
+-- name: tasks_of_runtime
+-- The readers a runtime has rows for (a row whose reader is gone is removed by it).
+SELECT task_id FROM activated_tasks WHERE runtime_id = :runtime_id;
+
 -- name: tasks_expire
 -- Readers whose runtime stopped vouching for them are gone (a crashed process).
 DELETE FROM activated_tasks WHERE heartbeat_at < :cutoff;
@@ -813,8 +817,11 @@ WHERE CAST(:queue AS VARCHAR(128)) IS NULL OR queue_name = :queue
 ORDER BY taken_at;
 
 -- name: leases_expired
--- Leases whose worker stopped renewing them.
-SELECT * FROM message_leases WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit;
+-- Leases whose worker stopped renewing them, and had a whole lease to renew them since
+-- the database was last back (:recovered_at): a live worker is never lost to an outage.
+SELECT * FROM message_leases
+WHERE expires_at <= :now AND :recovered_at + (expires_at - heartbeat_at) <= :now
+ORDER BY expires_at LIMIT :limit;
 
 -- name: leases_delete_conversation
 -- A closed conversation's leased messages go with it.

@@ -188,8 +188,15 @@ SET LOCAL synchronous_commit TO OFF;
 SELECT * FROM queue_monitors WHERE queue_name = :queue FOR UPDATE;
 
 -- name: leases_expired
--- Leases whose worker stopped renewing them; other timer threads skip these rows.
-SELECT * FROM message_leases WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit
+-- Leases whose worker stopped renewing them, and had a whole lease to renew them since
+-- the database was last back — as this process saw it (:recovered_at), or since the
+-- server started (a restart nobody here saw); other timer threads skip these rows.
+SELECT * FROM message_leases
+WHERE expires_at <= :now
+  AND GREATEST(CAST(:recovered_at AS double precision),
+               extract(epoch FROM pg_postmaster_start_time())) + (expires_at - heartbeat_at)
+      <= :now
+ORDER BY expires_at LIMIT :limit
 FOR UPDATE SKIP LOCKED;
 
 -- name: parked_due

@@ -1,0 +1,224 @@
+"""Connection loss, handled in one place.
+
+A PostgreSQL restart, a failover, a network blip or a terminated backend all look the same
+from here: a statement, a commit or a connect fails. This module decides what counts as a
+lost connection, throws away every pooled connection of that generation (so the next
+caller never gets a dead one), and rides through the outage: work that is safe to repeat
+is run again on a fresh connection, backing off (bounded exponential, jittered) while the
+server refuses connections, until the broker's reconnect deadline. It also remembers when
+the database was last unavailable, so that lease expiry can give live workers a full lease
+after an outage before declaring them lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+
+from scheduler_lib.broker import exceptions
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RECONNECT_TIMEOUT = 120.0  # seconds a caller rides through an outage; the env var overrides
+RECONNECT_TIMEOUT_ENV = "SCHEDULER_LIB_RECONNECT_TIMEOUT"
+FIRST_BACKOFF = 0.05  # seconds before the first retry
+MAX_BACKOFF = 1.0  # seconds between retries at most: the first task after an outage matters
+# SQLSTATEs that mean the session is gone or cannot be had: connection exceptions (08),
+# the server shutting down or starting up (57P01..57P03)
+LOST_STATES = ("08", "57P01", "57P02", "57P03")
+
+
+def reconnect_timeout(value: float | None = None) -> float:
+    """The reconnect deadline: ``value``, else ``SCHEDULER_LIB_RECONNECT_TIMEOUT``, else
+    ``RECONNECT_TIMEOUT``.
+
+    :raises InvalidArgument: for a negative or unparsable value
+    """
+    raw: Any = value if value is not None else os.environ.get(RECONNECT_TIMEOUT_ENV)
+    if raw is None:
+        return RECONNECT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not seconds >= 0:
+        raise exceptions.InvalidArgument(
+            f"reconnect timeout must be a number of seconds >= 0, got {raw!r}",
+            hint=f"e.g. {RECONNECT_TIMEOUT_ENV}=120",
+        )
+    return seconds
+
+
+def is_lost(exc: BaseException) -> bool:
+    """Whether a driver or SQLAlchemy error means the connection is gone."""
+    if isinstance(exc, exceptions.ConnectionLost):
+        return True
+    if isinstance(exc, sa_exc.DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        exc = exc.orig or exc
+    if not type(exc).__module__.startswith("psycopg"):
+        return False
+    state = getattr(exc, "sqlstate", None)
+    if state is not None and state.startswith(LOST_STATES):
+        return True
+    # psycopg's OperationalError without a state: the socket closed, the server vanished
+    return type(exc).__name__ == "OperationalError" and state is None
+
+
+def invalidate(conn: sa.Connection, exc: BaseException) -> None:
+    """Throw away ``conn`` and every pooled connection made before it: a server that
+    dropped one has dropped them all, and the next caller must get a fresh one."""
+    with contextlib.suppress(Exception):
+        pooled = conn.connection
+        conn.engine.pool._invalidate(pooled, exc, _checkin=False)
+    with contextlib.suppress(Exception):
+        conn.invalidate(exc)
+
+
+def discard_pool(engine: sa.Engine) -> None:
+    """Every connection ``engine``'s pool holds now is replaced at its next checkout
+    (those in use finish what they do)."""
+    engine.pool._invalidate(None, None, _checkin=False)  # type: ignore[arg-type]
+
+
+def lost(what: str, exc: BaseException, *, committing: bool = False) -> exceptions.ConnectionLost:
+    """The error a caller sees for a lost connection: what was running, and why."""
+    orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None else exc
+    text = " ".join(str(orig).split())
+    when = " while committing (the commit may or may not have happened)" if committing else ""
+    return exceptions.ConnectionLost(
+        f"{what}: the connection was lost{when} ({text})", committing=committing
+    )
+
+
+def connect(engine: sa.Engine) -> sa.Connection:
+    """A connection from ``engine``'s pool; a server that refuses it (down, starting up,
+    unreachable) is a :class:`ConnectionLost`, so callers back off and try again."""
+    try:
+        return engine.connect()
+    except sa_exc.DBAPIError as exc:
+        if engine.dialect.name == "postgresql":
+            raise lost("connect", exc) from exc
+        raise exceptions.DatabaseError(f"connect: {exc.orig}") from exc
+
+
+class Availability:
+    """Whether one database is reachable, as this process last saw it, and the retry loop
+    that rides through it being away.
+
+    :param url: the database (shown in errors without its password)
+    :param timeout: seconds a call keeps trying before :class:`DatabaseUnavailable`
+    :param stopped: set when the broker closes: retries end at once
+    """
+
+    def __init__(
+        self,
+        url: sa.URL,
+        timeout: float,
+        stopped: threading.Event,
+        engines: Callable[[], list[sa.Engine]] = list,
+    ) -> None:
+        self.database = url.render_as_string(hide_password=True)
+        self._engines = engines  # the pools a lost connection condemns
+        self.timeout = timeout
+        self._stopped = stopped
+        self._lock = threading.Lock()
+        self.unavailable_since: float | None = None  # epoch seconds, while it is away
+        self.recovered_at = 0.0  # epoch seconds it last came back after an outage
+        self.last_error: str | None = None
+        self._watchers: list[Callable[[Availability], None]] = []
+
+    def watch(self, callback: Callable[[Availability], None]) -> None:
+        """Call ``callback(self)`` when the database goes away and when it is back (for
+        progress lines: "database unavailable, retrying for N s")."""
+        with self._lock:
+            self._watchers.append(callback)
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable_since is None
+
+    def mark_lost(self, exc: BaseException) -> None:
+        # Every pool of this database: its other connections died with this one (the
+        # broker's autocommit and no-flush engines have pools of their own).
+        for engine in self._engines():
+            discard_pool(engine)
+        with self._lock:
+            self.last_error = str(exc)
+            if self.unavailable_since is not None:
+                return
+            self.unavailable_since = time.time()
+            watchers = list(self._watchers)
+        log.warning("database %s unavailable: %s; retrying", self.database, exc)
+        for callback in watchers:
+            with contextlib.suppress(Exception):
+                callback(self)
+
+    def mark_ok(self) -> None:
+        if self.unavailable_since is None:  # the hot path: one attribute read
+            return
+        with self._lock:
+            if self.unavailable_since is None:
+                return
+            away = time.time() - self.unavailable_since
+            self.unavailable_since = None
+            self.recovered_at = time.time()
+            watchers = list(self._watchers)
+        log.warning("database %s is back after %.1f s", self.database, away)
+        for callback in watchers:
+            with contextlib.suppress(Exception):
+                callback(self)
+
+    def retrying(self, call: Callable[[], T], *, what: str = "the operation") -> T:
+        """``call()``, run again while it fails for a lost connection — safe because a
+        transaction whose connection was lost before its commit did nothing. A loss
+        during the commit of a transaction that wrote is not retried here (it may have
+        committed): that :class:`ConnectionLost` goes to the caller, who can tell.
+
+        :raises DatabaseUnavailable: still lost after the reconnect deadline
+        """
+        deadline: float | None = None
+        delay = FIRST_BACKOFF
+        while True:
+            try:
+                result = call()
+            except exceptions.ConnectionLost as exc:
+                if exc.committing:
+                    raise
+                self.mark_lost(exc)
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.timeout
+                left = deadline - now
+                if left <= 0 or self._stopped.is_set():
+                    raise self.unavailable(what, exc) from exc
+                # Jittered, so that the readers of a process do not all knock at once.
+                self._stopped.wait(min(left, delay * random.uniform(0.5, 1.0)))
+                delay = min(delay * 2, MAX_BACKOFF)
+                continue
+            self.mark_ok()
+            return result
+
+    def unavailable(self, what: str, exc: BaseException) -> exceptions.DatabaseUnavailable:
+        since = self.unavailable_since
+        away = f"{time.time() - since:.0f} s" if since is not None else "a while"
+        if self._stopped.is_set():
+            return exceptions.DatabaseUnavailable(
+                f"{what}: database {self.database} unavailable and the broker is closing ({exc})"
+            )
+        return exceptions.DatabaseUnavailable(
+            f"{what}: database {self.database} unavailable for {away} (tried for "
+            f"{self.timeout:.0f} s; last error: {exc})",
+            hint=f"is the server up? a longer wait: --reconnect-timeout or {RECONNECT_TIMEOUT_ENV}",
+        )
