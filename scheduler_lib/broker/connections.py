@@ -32,7 +32,7 @@ T = TypeVar("T")
 RECONNECT_TIMEOUT = 120.0  # seconds a caller rides through an outage; the env var overrides
 RECONNECT_TIMEOUT_ENV = "SCHEDULER_LIB_RECONNECT_TIMEOUT"
 FIRST_BACKOFF = 0.05  # seconds before the first retry
-MAX_BACKOFF = 1.0  # seconds between retries at most: the first task after an outage matters
+MAX_BACKOFF = 0.5  # seconds between retries at most: the first task after an outage matters
 # SQLSTATEs that mean the session is gone or cannot be had: connection exceptions (08),
 # the server shutting down or starting up (57P01..57P03)
 LOST_STATES = ("08", "57P01", "57P02", "57P03")

@@ -171,6 +171,32 @@ def _dbapi_error(conn: sa.Connection, name: str, exc: sa_exc.DBAPIError) -> Exce
     if connections.is_lost(exc):
         connections.invalidate(conn, exc)
         return connections.lost(name, exc)
+    return database_error(conn.engine, name, exc)
+
+
+def database_error(
+    engine: sa.Engine, name: str, exc: sa_exc.DBAPIError
+) -> exceptions.DatabaseError:
+    """A database error that is nobody's bug, said so that an operator knows what to do.
+    SQLite's two that stop a run — a file another process holds locked past the busy
+    timeout, a full disk — name the file and the way out; the transaction that met them
+    rolled back whole (SQLite writes a transaction all or nothing)."""
+    text = str(exc.orig).lower()
+    if engine.dialect.name == "sqlite":
+        path = engine.url.database
+        if "database is locked" in text or "database table is locked" in text:
+            return exceptions.DatabaseError(
+                f"{name}: the SQLite database {path} stayed locked by another connection "
+                "past the busy timeout; nothing of this transaction was written",
+                hint="find the process holding a long transaction on it, or use "
+                "PostgreSQL when many processes write",
+            )
+        if "disk is full" in text or "disk i/o error" in text:
+            return exceptions.DatabaseError(
+                f"{name}: the SQLite database {path} could not be written ({exc.orig}); "
+                "nothing of this transaction was written",
+                hint="free space on its disk, then try again",
+            )
     return exceptions.DatabaseError(f"{name}: {exc.orig}")
 
 

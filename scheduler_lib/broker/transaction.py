@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import connections, exceptions, wakeup
+from scheduler_lib.broker import connections, exceptions, store, wakeup
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import (
@@ -106,7 +106,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                 conn.commit()
             except sa.exc.DBAPIError as exc:
                 if not connections.is_lost(exc):
-                    raise exceptions.DatabaseError(f"commit: {exc.orig}") from exc
+                    raise store.database_error(conn.engine, "commit", exc) from exc
                 connections.invalidate(conn, exc)
                 # Lost during COMMIT: a transaction that wrote may or may not have
                 # committed. One that only read did nothing either way.

@@ -1,0 +1,258 @@
+"""Recovery from a PostgreSQL restart: how soon the scheduler is back to work once the
+server accepts connections again, on a warm ``scheduler-lib serve`` and on a warm
+``scheduler-lib worker`` (Spark, ``local[2]``).
+
+Run from the repository root::
+
+    .venv/bin/python -m bench.recovery            # 5 rounds per side (~3 min)
+    .venv/bin/python -m bench.recovery --quick    # 2 rounds per side
+
+A private PostgreSQL cluster (``bench/private_postgres.py``: initdb into a temporary
+directory, a free port; the shared server is never restarted) with a fresh database per
+side, prepared by ``scheduler-lib init``. The side under test runs as the documented
+command in its own process, with its default settings. This process is the caller: a
+``TaskScheduler`` on a broker of its own runs 3 waves of 4 ``python`` tasks sleeping
+0.3 s (``time:sleep``; the same tasks on both sides, so the two compare: a Spark task's
+own time would only add to both).
+
+Each round, in this order:
+  - baseline: the 3 waves with no restart (seconds);
+  - restart: the same 3 waves; when wave 1 has completed, the server is restarted
+    (``pg_ctl restart -m fast``, so wave 2's tasks end while it is away and their answers
+    must wait for it). ``back`` is when ``pg_ctl`` returned, having seen the server accept
+    connections (it polls every 50 ms: ``back`` may be up to 50 ms late, which flatters
+    the figures below by as much).
+
+Measured from ``back``: the first completion the caller receives (``synchronization``
+returned), and the end of the run; and the run's time lost to the restart beyond the
+outage itself: (restart round − outage) − baseline. Goal (issue 20): first completion
+<= 1 s after the server is back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench.broker_throughput import (
+    BUSY_WARNING_PCT,
+    busy_pct,
+    docs_section,
+    finish_run,
+    log,
+    machine_facts,
+)
+from bench.private_postgres import PrivatePostgres
+from scheduler_lib.broker import Broker
+from scheduler_lib.scheduler import Completion, Task, TaskScheduler
+
+CLI = str(Path(sys.executable).parent / "scheduler-lib")
+WAVES, TASKS, TASK_SECONDS = 3, 4, 0.3
+GOAL = 1.0  # seconds from the server back to the first completion (issue 20)
+SIDES = {
+    "serve": ["serve"],
+    "spark worker": ["worker", "--master", "local[2]"],
+}
+
+
+def _plan() -> list[list[Task]]:
+    return [
+        [Task.python("time:sleep", TASK_SECONDS, name=f"w{w}t{t}") for t in range(TASKS)]
+        for w in range(WAVES)
+    ]
+
+
+@contextlib.contextmanager
+def _side(url: str, command: list[str], workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """The documented command under test, in its own process, its output to a file."""
+    out = (workdir / f"{command[0]}.log").open("wb")
+    process = subprocess.Popen([CLI, *command, "--db", url], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        out.close()
+
+
+def _round(scheduler: TaskScheduler, server: PrivatePostgres | None) -> dict[str, float]:
+    """One run of the waves; with ``server``, restarted once wave 1 has completed."""
+    seen: list[tuple[int, float]] = []  # (wave, wall clock the caller received it)
+    first_wave_done = threading.Event()
+
+    def on_completion(wave: int, completion: Completion) -> None:
+        if not completion.ok:
+            raise RuntimeError(f"a task failed: {completion.error}")
+        seen.append((wave, time.time()))
+        if sum(1 for w, _ in seen if w == 0) == TASKS:
+            first_wave_done.set()
+
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            started = time.time()
+            scheduler.run_waves(_plan(), on_completion=on_completion)
+            result["took"] = time.time() - started
+            result["ended"] = time.time()
+        except BaseException as exc:
+            result["error"] = exc
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    figures: dict[str, float] = {}
+    if server is not None:
+        if not first_wave_done.wait(120):
+            raise RuntimeError(f"wave 1 did not complete: {result.get('error')!r}")
+        time.sleep(0.1)  # wave 2 is sent and running (its tasks last 0.3 s)
+        down = time.time()
+        server.restart(mode="fast")
+        back = time.time()
+        figures["outage"] = back - down
+    runner.join(300)
+    if "error" in result or "took" not in result:
+        raise RuntimeError(f"the run failed: {result.get('error')!r}")
+    figures["took"] = result["took"]
+    if server is not None:
+        after = [t for _, t in seen if t >= back]
+        figures["first_completion"] = min(after) - back
+        figures["run_end"] = result["ended"] - back
+    return figures
+
+
+def measure(server: PrivatePostgres, side: str, rounds: int, workdir: Path) -> dict[str, Any]:
+    name = f"recovery_{side.replace(' ', '_')}"
+    url = server.create_database(name)
+    env_ok = subprocess.run([CLI, "init", "--db", url], capture_output=True, text=True)
+    if env_ok.returncode:
+        raise RuntimeError(env_ok.stderr)
+    with _side(url, SIDES[side], workdir) as process, Broker(url, timers=False) as broker:
+        scheduler = TaskScheduler(broker)
+        log(f"{side}: warming up")
+        deadline = time.monotonic() + 180
+        while True:  # the side is up (a Spark worker's JVM takes a while) and warm
+            if process.poll() is not None:
+                raise RuntimeError(f"{side} exited with {process.returncode}")
+            with contextlib.suppress(Exception):
+                scheduler.run_waves([[Task.python("builtins:abs", 1)]], timeout=5)
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{side} did not run a task within 180 s")
+        _round(scheduler, None)
+        baselines, restarts = [], []
+        for r in range(rounds):
+            baselines.append(_round(scheduler, None))
+            restarts.append(_round(scheduler, server))
+            log(
+                f"{side} round {r + 1}/{rounds}: outage {restarts[-1]['outage']:.2f} s, "
+                f"first completion {restarts[-1]['first_completion']:.3f} s after, "
+                f"run end {restarts[-1]['run_end']:.2f} s after"
+            )
+        if process.poll() is not None:
+            raise RuntimeError(f"{side} died during the run")
+    server.drop_database(name)
+    base = statistics.median(b["took"] for b in baselines)
+    lost = [(x["took"] - x["outage"]) - base for x in restarts]
+
+    def spread(values: list[float]) -> dict[str, float]:
+        return {
+            "median": round(statistics.median(values), 3),
+            "min": round(min(values), 3),
+            "max": round(max(values), 3),
+        }
+
+    return {
+        "baseline_s": spread([b["took"] for b in baselines]),
+        "outage_s": spread([x["outage"] for x in restarts]),
+        "first_completion_after_back_s": spread([x["first_completion"] for x in restarts]),
+        "run_end_after_back_s": spread([x["run_end"] for x in restarts]),
+        "lost_beyond_outage_s": spread(lost),
+    }
+
+
+def markdown_section(report: dict[str, Any]) -> str:
+    rows: list[tuple[str, Any, str, str]] = []
+    for side, r in report["sides"].items():
+
+        def fmt(d: dict[str, float]) -> str:
+            return f"{d['median']:.3f} (min {d['min']:.3f}, max {d['max']:.3f})"
+
+        first = r["first_completion_after_back_s"]
+        rows += [
+            (f"{side}: outage (restart), s", fmt(r["outage_s"]), "", ""),
+            (
+                f"{side}: server back → first completion, s",
+                fmt(first),
+                f"<= {GOAL}",
+                "met" if first["max"] <= GOAL else "missed",
+            ),
+            (f"{side}: server back → run end, s", fmt(r["run_end_after_back_s"]), "", ""),
+            (
+                f"{side}: run time lost beyond the outage, s (baseline {r['baseline_s']['median']})",
+                fmt(r["lost_beyond_outage_s"]),
+                "",
+                "",
+            ),
+        ]
+    return docs_section(
+        "Recovery from a PostgreSQL restart",
+        report,
+        f"A private PostgreSQL cluster restarted (`pg_ctl restart -m fast`) while wave 2 of "
+        f"{WAVES} waves x {TASKS} `python` tasks (0.3 s each) runs, on a warm "
+        "`scheduler-lib serve` and a warm `scheduler-lib worker --master local[2]`, each "
+        f"its documented command with default settings; {report['rounds']} rounds per side, "
+        "medians (min, max). Design in `bench/recovery.py`'s docstring.",
+        rows,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.recovery", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="2 rounds per side")
+    parser.add_argument("--rounds", type=int, help="rounds per side (default 5; quick 2)")
+    parser.add_argument("--side", choices=sorted(SIDES), action="append", help="default: both")
+    parser.add_argument("--no-docs", action="store_true", help="do not append to the docs")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (2 if args.quick else 5)
+    idle_check = busy_pct(1.0)
+    if idle_check > BUSY_WARNING_PCT:
+        log(f"warning: the machine is {idle_check}% busy before the start; figures will be noisy")
+    started = time.monotonic()
+    report: dict[str, Any] = {
+        "benchmark": "recovery",
+        "started_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join([Path(sys.executable).name, "-m", "bench.recovery", *sys.argv[1:]]),
+        "quick": args.quick,
+        "rounds": rounds,
+        "machine": machine_facts(),
+        "sides": {},
+    }
+    report["machine"]["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    report["machine"]["cpu_busy_pct_before_start"] = idle_check
+    with PrivatePostgres() as server:
+        workdir = Path(server.root)
+        for side in args.side or list(SIDES):
+            report["sides"][side] = measure(server, side, rounds, workdir)
+    return finish_run(report, started, None if args.no_docs else markdown_section)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
