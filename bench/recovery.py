@@ -25,7 +25,7 @@ Each round, in this order:
 
 Measured from ``back``: the first completion the caller receives (``synchronization``
 returned), and the end of the run; and the run's time lost to the restart beyond the
-outage itself: (restart round − outage) − baseline. Goal (issue 20): first completion
+outage itself: (restart round - outage) - baseline. Goal (issue 20): first completion
 <= 1 s after the server is back.
 """
 
@@ -204,7 +204,8 @@ def markdown_section(report: dict[str, Any]) -> str:
             ),
             (f"{side}: server back → run end, s", fmt(r["run_end_after_back_s"]), "", ""),
             (
-                f"{side}: run time lost beyond the outage, s (baseline {r['baseline_s']['median']})",
+                f"{side}: run time lost beyond the outage, s "
+                f"(baseline {r['baseline_s']['median']})",
                 fmt(r["lost_beyond_outage_s"]),
                 "",
                 "",
