@@ -242,8 +242,10 @@ class ActivationRuntime:
             seen = wakeups.generation(wakeup.CATALOG)
             try:
                 self._sync_monitors()
-            except Exception:
-                log.warning("activation supervisor: catalog refresh failed", exc_info=True)
+            except Exception as exc:
+                self.broker.availability.report(
+                    log, "activation supervisor: catalog refresh failed", exc
+                )
             # An ALTER QUEUE or a new subscription in this process wakes us at once; other
             # processes' are seen within the (idle) interval.
             wakeups.wait(wakeup.CATALOG, seen, self.idle_check_interval or self.check_interval)
@@ -275,8 +277,10 @@ class ActivationRuntime:
                     decision = self.check(queue)
                 except exceptions.QueueNotFound:
                     return
-                except Exception:
-                    log.warning("queue monitor %s: check failed", queue, exc_info=True)
+                except Exception as exc:
+                    self.broker.availability.report(
+                        log, f"queue monitor {queue}: check failed", exc
+                    )
                     decision = None
                 if decision is None:
                     return  # the queue no longer activates
@@ -315,8 +319,10 @@ class ActivationRuntime:
             return False
         try:
             self.broker._set_waiting(queue, +1 if on else -1)
-        except Exception:
-            log.warning("queue monitor %s: (un)registering for NOTIFY failed", queue, exc_info=True)
+        except Exception as exc:
+            self.broker.availability.report(
+                log, f"queue monitor {queue}: (un)registering for NOTIFY failed", exc
+            )
             return False
         (self._listening.add if on else self._listening.discard)(queue)
         return True
@@ -466,8 +472,8 @@ class ActivationRuntime:
         while not self._stopped.wait(self.heartbeat_interval):
             try:
                 self.heartbeat()
-            except Exception:
-                log.warning("activation heartbeat failed", exc_info=True)
+            except Exception as exc:
+                self.broker.availability.report(log, "activation heartbeat failed", exc)
 
     def heartbeat(self) -> int:
         """Vouch for this runtime's readers and remove readers nobody vouched for within

@@ -448,8 +448,8 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         try:
             with self._engine.begin() as conn:
                 self._store.execute(conn, "monitor_record_empty", queue=queue, now=self.clock())
-        except Exception:  # bookkeeping for monitors must never fail a receive
-            log.warning("could not record an empty receive on %s", queue, exc_info=True)
+        except Exception as exc:  # bookkeeping for monitors must never fail a receive
+            self.availability.report(log, f"could not record an empty receive on {queue}", exc)
 
     def _watch_sqlite(self) -> None:
         """Start the SQLite watcher when the first receiver waits (PostgreSQL LISTENs)."""

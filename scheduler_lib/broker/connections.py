@@ -165,6 +165,14 @@ class Availability:
             with contextlib.suppress(Exception):
                 callback(self)
 
+    def report(self, logger: logging.Logger, what: str, exc: BaseException) -> None:
+        """A background loop's failure: an outage is said once, here (not once per
+        loop and retry, with a traceback each); anything else is logged with its trace."""
+        if isinstance(exc, exceptions.DatabaseUnavailable) or is_lost(exc):
+            self.mark_lost(exc)
+        else:
+            logger.warning("%s", what, exc_info=exc)
+
     def mark_ok(self) -> None:
         if self.unavailable_since is None:  # the hot path: one attribute read
             return

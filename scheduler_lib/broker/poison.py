@@ -1148,9 +1148,11 @@ class LeaseKeeper:
                     lost[lease.lease_id] = exc
                     with self._changed:
                         self._due.pop(lease.lease_id, None)
-                except Exception:  # a passing database error: try again soon
+                except Exception as exc:  # a passing database error: try again soon
                     # (renew itself rides through an outage up to the reconnect deadline)
-                    log.warning("renewing lease %s failed", lease.lease_id, exc_info=True)
+                    self.broker.availability.report(
+                        log, f"renewing lease {lease.lease_id} failed", exc
+                    )
                     with self._changed:
                         if lease.lease_id in self._due:
                             self._due[lease.lease_id] = time.monotonic() + RENEW_RETRY

@@ -539,8 +539,8 @@ class CancelWatcher:
                         return
             try:
                 requests = self.broker.fetch("log_cancel_requests")
-            except Exception:
-                log.warning("looking for cancel requests failed", exc_info=True)
+            except Exception as exc:
+                self.broker.availability.report(log, "looking for cancel requests failed", exc)
                 requests = []
             with self._changed:
                 targets = [

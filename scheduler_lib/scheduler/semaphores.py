@@ -163,8 +163,8 @@ class Semaphores:
                     if not self.renew(permit):
                         log.warning("permit of semaphore %s was lost while held", name)
                         return
-                except Exception:  # a passing database error: try again
-                    log.warning("renewing a permit of %s failed", name, exc_info=True)
+                except Exception as exc:  # a passing database error: try again
+                    self.broker.availability.report(log, f"renewing a permit of {name} failed", exc)
 
         renewer = threading.Thread(target=renew, name=f"permit-{name}", daemon=True)
         renewer.start()

@@ -166,6 +166,9 @@ def _account(
     assert run.returncode == 0, f"run exited {run.returncode}; {context}\nstdout:\n{out[-3000:]}"
     report = json.loads(out)
     assert report["ok"] is True, context
+    # And it said so while it waited: a progress line, not an error
+    assert "database unavailable, retrying for 120 s" in err, context
+    assert "database back: continuing" in err and "Traceback" not in err, context
     names = {f"w{w}t{t}" for w in range(WAVES) for t in range(TASKS)}
     # And every task ran exactly once, by the marks it left outside the database
     starts, ends = marks(marks_file)
