@@ -529,6 +529,9 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
 
         :return: how many fired, expired or came back
         """
+        return self.retrying(self._fire_timers_once, what="fire_timers")
+
+    def _fire_timers_once(self) -> int:
         with self.transaction() as tx:
             fired = tx._fire_due_timers(time.time())
         # Apart, so that a failing poison policy cannot hold conversation timers up.
@@ -548,7 +551,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                     deadline = self._store.scalar(conn, "next_deadline")
                     conn.rollback()
                 self.availability.mark_ok()
-            except exceptions.ConnectionLost as exc:
+            except (exceptions.ConnectionLost, exceptions.DatabaseUnavailable) as exc:
                 # This thread looks every second: it notices an outage (and its end) for
                 # the whole process, which is what lease expiry measures from.
                 self.availability.mark_lost(exc)
