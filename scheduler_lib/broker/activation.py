@@ -491,7 +491,14 @@ class ActivationRuntime:
             for task_id in gone:
                 tx._execute("task_delete", task_id=task_id)
             tx._execute("tasks_heartbeat", runtime_id=self.runtime_id, now=now)
-            return len(gone) + tx._count("tasks_expire", cutoff=now - self.heartbeat_expiry)
+            # Only once the runtimes had a whole expiry to vouch for their readers since
+            # the database was last back: a live reader is never lost to an outage.
+            expired = tx._count(
+                "tasks_expire",
+                cutoff=now - self.heartbeat_expiry,
+                recovered_at=self.broker.availability.recovered_at,
+            )
+            return len(gone) + expired
 
 
 def _readers_key(queue: str) -> str:

@@ -672,8 +672,10 @@ UPDATE activated_tasks SET heartbeat_at = :now WHERE runtime_id = :runtime_id;
 SELECT task_id FROM activated_tasks WHERE runtime_id = :runtime_id;
 
 -- name: tasks_expire
--- Readers whose runtime stopped vouching for them are gone (a crashed process).
-DELETE FROM activated_tasks WHERE heartbeat_at < :cutoff;
+-- Readers whose runtime stopped vouching for them are gone (a crashed process) — once
+-- their runtime had a whole expiry to vouch for them since the database was last back
+-- (:recovered_at, as this process saw it).
+DELETE FROM activated_tasks WHERE heartbeat_at < :cutoff AND :recovered_at <= :cutoff;
 
 -- name: event_notification_insert
 -- CREATE EVENT NOTIFICATION.

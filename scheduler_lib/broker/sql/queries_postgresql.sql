@@ -199,6 +199,15 @@ WHERE expires_at <= :now
 ORDER BY expires_at LIMIT :limit
 FOR UPDATE SKIP LOCKED;
 
+-- name: tasks_expire
+-- Readers whose runtime stopped vouching for them are gone (a crashed process) — once
+-- their runtime had a whole expiry to vouch for them since the database was last back,
+-- as this process saw it (:recovered_at), or since the server started.
+DELETE FROM activated_tasks
+WHERE heartbeat_at < :cutoff
+  AND GREATEST(CAST(:recovered_at AS double precision),
+               extract(epoch FROM pg_postmaster_start_time())) <= :cutoff;
+
 -- name: parked_due
 -- Parked messages whose delay is over; other timer threads skip these rows.
 SELECT * FROM poison_messages
