@@ -421,5 +421,11 @@ CREATE TABLE transport_connections (
 
 UPDATE broker_alembic_version SET version_num='0006' WHERE broker_alembic_version.version_num = '0005';
 
+-- Running upgrade 0006 -> 0007
+
+ALTER TABLE queues ADD COLUMN is_activation_eager BOOLEAN DEFAULT false NOT NULL;
+
+UPDATE broker_alembic_version SET version_num='0007' WHERE broker_alembic_version.version_num = '0006';
+
 COMMIT;
 

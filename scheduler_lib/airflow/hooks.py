@@ -14,25 +14,40 @@ default true, off for roles without DDL rights)::
 
 from __future__ import annotations
 
+import contextlib
+import math
+import re
 import threading
-from collections.abc import Mapping
-from typing import Any
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from airflow.sdk import BaseHook
 
-from scheduler_lib.broker import Broker
-from scheduler_lib.broker.exceptions import InvalidArgument
+from scheduler_lib.broker import Broker, ConnectionLost, DatabaseUnavailable, connections, schema
+from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
 from scheduler_lib.scheduler import KindNotAllowed, TaskScheduler, catalog
+
+T = TypeVar("T")
 
 CONN_TYPE = "scheduler_lib"
 DEFAULT_CONN_ID = "scheduler_lib_default"
 FORM_PREFIX = f"extra__{CONN_TYPE}__"
+OUTAGE_LINE = 400  # characters of a database outage's reason shown (one line)
+# libpq's second line for a refused connection, which says nothing the first did not
+_LIBPQ_HINT = re.compile(r"\s+Is the server running [^?]*\?")
 
-# One broker per (URL, migrate) per process: a broker owns an engine (a pool) and
-# background threads, and a worker process runs many tasks and triggers.
-_brokers: dict[tuple[str, bool, bool], Broker] = {}  # (url, migrate, timers)
+# One broker per (URL, migrate, timers, reconnect timeout) per process: a broker owns an
+# engine (a pool) and background threads, and a worker process runs many tasks and
+# triggers.
+_brokers: dict[tuple[str, bool, bool, float | None], Broker] = {}
 _brokers_lock = threading.Lock()
+# Per broker: the lock of the one caller that, during an outage, finds out whether the
+# database is back (see turn()), and whether ready() applied the broker's migrations.
+_states: weakref.WeakKeyDictionary[Broker, _State] = weakref.WeakKeyDictionary()
+_states_lock = threading.Lock()
 
 
 def broker_url(conn: Any) -> str:
@@ -84,19 +99,164 @@ def connection_options(conn: Any) -> dict[str, Any]:
     return {"target_service": target, "migrate": bool(migrate)}
 
 
-def shared_broker(url: str, *, migrate: bool = True, timers: bool = True) -> Broker:
+def shared_broker(
+    url: str,
+    *,
+    migrate: bool = True,
+    timers: bool = True,
+    reconnect_timeout: float | None = None,
+) -> Broker:
     """The process's broker for ``url`` (opened, and migrated if asked, once).
 
+    :param migrate: apply the broker's schema when it opens (which needs the database:
+        during an outage the open waits up to the reconnect deadline). ``False`` opens it
+        without a round trip; :func:`ready` brings the schema up to date later
     :param timers: run the broker's timer thread (conversation timers, lifetimes, expired
         leases) in this process; a process that only reads (the Execution Status page)
         leaves that to the workers, and then needs no more than ``SELECT``
+    :param reconnect_timeout: seconds each call on the broker rides through a database
+        outage before :class:`DatabaseUnavailable` (default
+        ``SCHEDULER_LIB_RECONNECT_TIMEOUT``, else 120). A short one — for a caller that
+        must answer soon, or that rides through outages in a loop of its own — also
+        bounds each connection attempt on PostgreSQL (``connect_timeout``), so that an
+        unreachable host cannot hold a call for the kernel's TCP timeout
     """
-    key = (url, migrate, timers)
+    key = (url, migrate, timers, reconnect_timeout)
     with _brokers_lock:
         broker = _brokers.get(key)
         if broker is None:
-            broker = _brokers[key] = Broker(url, migrate=migrate, timers=timers)
+            broker = _brokers[key] = Broker(
+                url,
+                migrate=migrate,
+                timers=timers,
+                reconnect_timeout=reconnect_timeout,
+                engine_options=_engine_options(url, reconnect_timeout),
+            )
         return broker
+
+
+def _engine_options(url: str, reconnect_timeout: float | None) -> dict[str, Any] | None:
+    if reconnect_timeout is None:
+        return None
+    try:
+        postgresql = sa.make_url(url).get_backend_name() == "postgresql"
+    except sa.exc.ArgumentError:
+        return None  # the broker says what is wrong with the URL
+    if not postgresql:
+        return None
+    # libpq's smallest connect_timeout is 2 s
+    return {"connect_args": {"connect_timeout": max(2, math.ceil(reconnect_timeout))}}
+
+
+class _State:
+    def __init__(self) -> None:
+        self.turn = threading.Lock()
+        self.migrated = False  # ready() applied the broker's migrations
+        self.prepared = False  # ready() prepared the scheduler's schema
+
+
+def _state(broker: Broker) -> _State:
+    with _states_lock:
+        state = _states.get(broker)
+        if state is None:
+            state = _states[broker] = _State()
+        return state
+
+
+def riding(broker: Broker, call: Callable[[], T], what: str) -> T:
+    """``call()`` riding through a database outage as the broker's own operations do
+    (:meth:`Broker.retrying`), a lost connection raised by SQLAlchemy itself counted as
+    one: schema migrations (``Broker.apply_migrations``, hence ``TaskScheduler()``)
+    run outside the broker's retries.
+
+    :raises DatabaseUnavailable: the database stayed away past the reconnect deadline
+    """
+
+    def attempt() -> T:
+        try:
+            return call()
+        except sa.exc.DBAPIError as exc:
+            if connections.is_lost(exc):
+                raise connections.lost(what, exc) from exc
+            raise
+
+    return broker.retrying(attempt, what=what)
+
+
+def ready(broker: Broker, *, migrate: bool = False) -> None:
+    """Bring the schemas up to date, once per broker, riding through an outage: the
+    broker's (with ``migrate``, for a broker opened with ``migrate=False``) and the
+    scheduler's (what ``TaskScheduler()`` and the page's queries need).
+
+    :raises DatabaseUnavailable: the database stayed away past the reconnect deadline
+    """
+    # Only work that reaches the database goes through riding(): a call that succeeds
+    # tells the broker its database is back, which a no-op must not.
+    state = _state(broker)
+    if migrate and not state.migrated:
+        riding(broker, lambda: broker.apply_migrations(schema.BROKER), "migrate")
+        state.migrated = True
+    if not state.prepared:
+        riding(broker, lambda: catalog.prepare(broker), "prepare the scheduler's schema")
+        state.prepared = True
+
+
+def open_scheduler(broker: Broker, *, migrate: bool = False, **kwargs: Any) -> TaskScheduler:
+    """A :class:`TaskScheduler` on ``broker`` (``kwargs`` as it takes them), its schema
+    made :func:`ready` first, so that opening it rides through an outage."""
+    ready(broker, migrate=migrate)
+    return TaskScheduler(broker, **kwargs)
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` says the broker's database could not be reached (it is down,
+    restarting, failing over), rather than that it refused the work."""
+    if isinstance(exc, DatabaseUnavailable | ConnectionLost):
+        return True
+    return isinstance(exc, sa.exc.DBAPIError) and connections.is_lost(exc)
+
+
+@contextlib.contextmanager
+def turn(broker: Broker) -> Iterator[bool]:
+    """Whether the caller may use ``broker`` now: always while its database is
+    available; while it is away, one caller at a time (who finds out whether it is back,
+    waiting up to the reconnect deadline) and ``False`` at once for the others — so that
+    an outage holds one thread per broker (of the api-server's pool, of the triggerer's),
+    not one per request or trigger."""
+    if broker.availability.available:
+        yield True
+        return
+    lock = _state(broker).turn
+    if not lock.acquire(blocking=False):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
+def outage_line(broker: Broker | None, exc: BaseException | None = None) -> str:
+    """One line saying that the broker's database is unavailable, naming it (without its
+    password), since when and why: for a page, a log line, an Airflow error."""
+    availability = broker.availability if broker is not None else None
+    if availability is not None and availability.unavailable_since is not None:
+        away = time.time() - availability.unavailable_since
+        text = f"database {availability.database} unavailable for {away:.0f} s"
+        if availability.last_error:
+            text += f" (last error: {availability.last_error})"
+    elif exc is not None:
+        text = str(exc)
+        hint = getattr(exc, "hint", None) if isinstance(exc, BrokerError) else None
+        if hint:
+            text = text.removesuffix(f" (hint: {hint})")
+    else:
+        text = "database unavailable"
+    text = " ".join(_LIBPQ_HINT.sub("", text).split())
+    password = broker.url.password if broker is not None else None
+    if password:
+        text = text.replace(str(password), "***")
+    return text if len(text) <= OUTAGE_LINE else text[: OUTAGE_LINE - 1] + "…"
 
 
 def close_brokers() -> None:
@@ -132,7 +292,10 @@ class SchedulerLibHook(BaseHook):
         return self._settings
 
     def get_conn(self) -> Broker:
-        """The broker of the connection (shared within the process)."""
+        """The broker of the connection (shared within the process). Its calls ride
+        through a database outage up to the reconnect deadline
+        (``SCHEDULER_LIB_RECONNECT_TIMEOUT``, else 120 s), then raise
+        :class:`DatabaseUnavailable`."""
         url, options = self.settings()
         return shared_broker(url, migrate=options["migrate"])
 
@@ -147,7 +310,9 @@ class SchedulerLibHook(BaseHook):
     ) -> TaskScheduler:
         """A task scheduler on the broker; ``context`` is Airflow's dag/run/task ids,
         written into ``execution_log`` with every task sent."""
-        return TaskScheduler(self.get_conn(), target=target or self.target_service, context=context)
+        return open_scheduler(
+            self.get_conn(), target=target or self.target_service, context=context
+        )
 
     def test_connection(self) -> tuple[bool, str]:
         """The UI's *Test* button: the database answers and holds the scheduler's

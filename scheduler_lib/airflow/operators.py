@@ -5,6 +5,12 @@
 scheduler handle and the wave's log ids travel by XCom. :func:`ordered_waves` builds
 that chain from a list of waves; :class:`OrderedWavesOperator` runs the whole plan as
 one Airflow task (seconds of Airflow overhead once, not per wave).
+
+Database outages: every call rides through one up to the broker's reconnect deadline
+(``SCHEDULER_LIB_RECONNECT_TIMEOUT`` in the worker's environment, else 120 s), so a
+restart or a failover only makes a task slower. A deferrable operator that is waiting in
+place when the deadline passes hands the wait to its trigger, which waits for as long as
+the database is away; anything else fails with one line naming the database.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context, TriggerRule
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from scheduler_lib.airflow import hooks, sensors, triggers
+from scheduler_lib.broker import DatabaseUnavailable
 from scheduler_lib.scheduler import (
     Completion,
     InvalidTask,
@@ -185,12 +192,16 @@ class ExecAsyncOperator(BaseOperator):
             return sent
         self._sent = (scheduler, handle)
         try:
-            progress = scheduler.wait_for_wave(
-                handle, log_ids, timeout=self.defer_after if self.deferrable else None
+            progress = _wait_in_place(
+                self,
+                scheduler,
+                handle,
+                log_ids,
+                timeout=self.defer_after if self.deferrable else None,
             )
         finally:
             self._sent = None
-        if not progress.done and progress.ended_by_target is None:
+        if progress is None or (not progress.done and progress.ended_by_target is None):
             triggers.defer(
                 self, key, log_ids, "execute_complete", self.execution_timeout, carry=sent
             )
@@ -361,6 +372,16 @@ class OrderedWavesOperator(BaseOperator):
             )
         except WaveFailed as exc:
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
+        except DatabaseUnavailable as exc:
+            # Past the reconnect deadline (every call rode through until then). A retry of
+            # this task runs the plan again, on a new scheduler.
+            running = self._running
+            where = f"scheduler {running[1]}" if running is not None else "no scheduler yet"
+            raise AirflowException(
+                f"{self.task_id}: {hooks.outage_line(None, exc)}; the plan stopped waiting "
+                f"({where}; tasks already sent may still run — release it once the "
+                "database is back: ReleaseSchedulerOperator(scheduler_handle=...))"
+            ) from None
         finally:
             self._running = None
         waves = [[triggers.task_summary(c) for c in w.completions] for w in report.waves]
@@ -382,8 +403,8 @@ class OrderedWavesOperator(BaseOperator):
         for i in range(index, len(self.waves)):
             log_ids = scheduler.exec_many(handle, self.waves[i], wave=i)
             self.log.info("wave %d/%d sent: log ids %s", i + 1, len(self.waves), log_ids)
-            progress = scheduler.wait_for_wave(handle, log_ids, timeout=self.defer_after)
-            if not progress.done and progress.ended_by_target is None:
+            progress = _wait_in_place(self, scheduler, handle, log_ids, timeout=self.defer_after)
+            if progress is None or (not progress.done and progress.ended_by_target is None):
                 carry = {"scheduler_handle": key, "index": i, "outcomes": outcomes}
                 triggers.defer(
                     self, key, log_ids, "resume_wave", self.execution_timeout, carry=carry
@@ -444,6 +465,30 @@ class OrderedWavesOperator(BaseOperator):
         if running is not None:
             scheduler, handle = running
             scheduler.cancel(handle, "cancelled: the Airflow task was killed")
+
+
+def _wait_in_place(
+    task: BaseOperator,
+    scheduler: TaskScheduler,
+    handle: SchedulerHandle,
+    log_ids: list[int],
+    *,
+    timeout: float | None,
+) -> WaveProgress | None:
+    """``scheduler.wait_for_wave``; for a deferrable ``task``, ``None`` when the database
+    stayed unavailable past the reconnect deadline meanwhile: the caller defers, and the
+    trigger waits for the database (and the wave) without a worker slot."""
+    try:
+        return scheduler.wait_for_wave(handle, log_ids, timeout=timeout)
+    except Exception as exc:
+        if not (getattr(task, "deferrable", False) and hooks.is_outage(exc)):
+            raise
+        task.log.warning(
+            "wave of scheduler %s: %s; deferring: the trigger waits for the database",
+            handle,
+            hooks.outage_line(None, exc),
+        )
+        return None
 
 
 def _event(progress: WaveProgress) -> dict[str, Any]:

@@ -4,6 +4,11 @@ Where the blog calls ``Synchronization`` once per task sent, the sensor waits fo
 whole wave; it reads the tasks' rows of ``execution_log`` (durable, and answered in the
 same transaction as ``AsyncDone``), so ``poke``, ``reschedule`` and ``deferrable`` modes
 all survive restarts. A task that failed fails the sensor with the task's error.
+
+A database outage does not fail it: a look rides through one up to the broker's reconnect
+deadline (``SCHEDULER_LIB_RECONNECT_TIMEOUT``, else 120 s), and past that the poke says
+"not yet" with a log line (the tasks run on; the sensor's ``timeout`` still bounds the
+whole wait). A deferrable sensor hands such a wait to its trigger, which keeps waiting.
 """
 
 from __future__ import annotations
@@ -86,14 +91,35 @@ class SynchronizationSensor(BaseSensorOperator):
             return super().execute(context)
         handle, log_ids = self.wave(context)
         # One look first: a wave that has already ended costs no trip to the triggerer.
-        done = self._look(handle, log_ids)
+        done = self._look_through_outage(handle, log_ids, "deferring: the trigger waits")
         if done.is_done:
             return done.xcom_value
         timeout = datetime.timedelta(seconds=self.timeout) if self.timeout else None
         triggers.defer(self, handle, log_ids, "execute_complete", timeout)
 
     def poke(self, context: Context) -> PokeReturnValue:
-        return self._look(*self.wave(context))
+        handle, log_ids = self.wave(context)
+        return self._look_through_outage(handle, log_ids, "poking again later")
+
+    def _look_through_outage(self, handle: str, log_ids: list[int], then: str) -> PokeReturnValue:
+        """:meth:`_look`; "not yet" (with a log line) when the database stayed unavailable
+        past the reconnect deadline. The tasks do not depend on this process: they run on,
+        and their rows say how they ended once the database is back. Failing here would
+        fail the DAG run (or spend a retry) for an outage that the wave itself rides
+        through, so the sensor waits, bounded by its own ``timeout``."""
+        try:
+            return self._look(handle, log_ids)
+        except Exception as exc:
+            if not hooks.is_outage(exc):
+                raise
+            self.log.warning(
+                "wave of scheduler %s: %s; %s (the wave's %d task(s) run on)",
+                handle,
+                hooks.outage_line(None, exc),
+                then,
+                len(log_ids),
+            )
+            return PokeReturnValue(is_done=False)
 
     def _look(self, handle: str, log_ids: list[int]) -> PokeReturnValue:
         scheduler = hooks.SchedulerLibHook(self.scheduler_lib_conn_id).get_scheduler()

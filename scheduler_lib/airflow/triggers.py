@@ -5,6 +5,11 @@ It polls ``execution_log`` (one indexed, read-only query per poll, in a thread: 
 triggerer's event loop never blocks on the database) until every task of the wave has
 ended, the target ended the conversation, or the deadline passed. Nothing is consumed
 while it waits, so a trigger that is restarted on another triggerer starts where it was.
+
+A database outage (a restart, a failover) does not end it: the tasks run on (their
+executors ride through it too), so the trigger logs that the database is unavailable,
+keeps looking, and fires once the wave is done after the database is back — or at its
+deadline.
 """
 
 from __future__ import annotations
@@ -13,14 +18,21 @@ import asyncio
 import datetime
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from scheduler_lib.airflow import hooks
+from scheduler_lib.broker import Broker
 from scheduler_lib.scheduler import Completion, TaskScheduler, TaskState, WaveProgress
 
 POLL_INTERVAL = 0.5  # seconds between looks at the wave's rows
+# Seconds one look rides through a database outage before it gives up and the trigger's
+# own loop takes over (which waits for ever, or until the deadline). Short: a look holds
+# a thread of the triggerer's pool, which every trigger of the process shares, and at
+# most one look per broker waits for the database at a time (see hooks.turn).
+LOOK_RECONNECT_TIMEOUT = 5.0
+OUTAGE_LOG_INTERVAL = 60.0  # seconds between "still unavailable" lines of one trigger
 
 DONE, ENDED, TIMEOUT, ERROR = "done", "ended", "timeout", "error"
 
@@ -77,21 +89,70 @@ class SynchronizationTrigger(BaseTrigger):
         try:
             conn = await hooks.SchedulerLibHook.aget_connection(self.scheduler_lib_conn_id)
             url, options = hooks.broker_url(conn), hooks.connection_options(conn)
-            scheduler = await asyncio.to_thread(_scheduler, url, options["migrate"])
+            broker = await asyncio.to_thread(_broker, url)
         except Exception as exc:  # a bad connection is the operator's error, not a hang
             yield self._event({"status": ERROR, "message": f"{type(exc).__name__}: {exc}"})
             return
-        while True:
-            try:
-                progress = await asyncio.to_thread(
-                    scheduler.wave_progress, self.scheduler_handle, self.log_ids
-                )
-            except Exception as exc:
-                yield self._event({"status": ERROR, "message": f"{type(exc).__name__}: {exc}"})
-                return
+        opened: list[TaskScheduler] = []
+
+        def look() -> WaveProgress:
+            if not opened:  # the schema check rides through an outage too
+                opened.append(hooks.open_scheduler(broker, migrate=options["migrate"]))
+            scheduler = opened[0]
+            progress = scheduler.wave_progress(self.scheduler_handle, self.log_ids)
             if progress.done:
                 # The answers were read from the log; their messages go now.
-                await asyncio.to_thread(scheduler.drain, self.scheduler_handle)
+                scheduler.drain(self.scheduler_handle)
+            return progress
+
+        away: float | None = None  # monotonic time of the first look that met the outage
+        said = 0.0  # monotonic time of the last line saying so
+        while True:
+            progress: WaveProgress | None = None
+            failed: Exception | None = None
+            began = time.monotonic()
+            with hooks.turn(broker) as mine:
+                if mine:  # else another look of this process is finding out
+                    try:
+                        progress = await asyncio.to_thread(look)
+                    except Exception as exc:
+                        failed = exc
+            if failed is not None and not hooks.is_outage(failed):
+                yield self._event(
+                    {"status": ERROR, "message": f"{type(failed).__name__}: {failed}"}
+                )
+                return
+            if progress is None:  # the database is unavailable: the tasks run on
+                now = time.monotonic()
+                if away is None or now - said >= OUTAGE_LOG_INTERVAL:
+                    away = began if away is None else away
+                    said = now
+                    self.log.warning(
+                        "scheduler %s: %s; waiting for the database to be back (the "
+                        "wave's %d task(s) run on)",
+                        self.scheduler_handle,
+                        hooks.outage_line(broker, failed),
+                        len(self.log_ids),
+                    )
+                if self.deadline is not None and time.time() >= self.deadline:
+                    yield self._event(
+                        {
+                            "status": TIMEOUT,
+                            "message": f"scheduler {self.scheduler_handle}: the deadline "
+                            f"passed; {hooks.outage_line(broker, failed)}",
+                        }
+                    )
+                    return
+                await asyncio.sleep(self.poll_interval)
+                continue
+            if away is not None:
+                self.log.warning(
+                    "scheduler %s: the database is back after %.0f s; watching the wave",
+                    self.scheduler_handle,
+                    time.monotonic() - away,
+                )
+                away = None
+            if progress.done:
                 yield self._event({"status": DONE, "tasks": summaries(progress)})
                 return
             if progress.ended_by_target is not None:
@@ -124,7 +185,7 @@ def defer(
     method_name: str,
     timeout: datetime.timedelta | None,
     carry: dict[str, Any] | None = None,
-) -> None:
+) -> NoReturn:
     """Hand ``task``'s wait for a wave to the triggerer (raises Airflow's deferral):
     ``method_name`` resumes with the event, ``carry`` rides in it, ``timeout`` bounds the
     wait (``None``: no bound). ``task`` has ``scheduler_lib_conn_id`` and
@@ -141,6 +202,7 @@ def defer(
         method_name=method_name,
         timeout=timeout,
     )
+    raise AssertionError(f"{task}.defer() returned instead of raising TaskDeferred")
 
 
 def ended_message(scheduler_handle: str, progress: WaveProgress) -> str:
@@ -151,8 +213,13 @@ def ended_message(scheduler_handle: str, progress: WaveProgress) -> str:
     )
 
 
-def _scheduler(url: str, migrate: bool) -> TaskScheduler:
-    return TaskScheduler(hooks.shared_broker(url, migrate=migrate))
+def _broker(url: str) -> Broker:
+    """The triggers' broker for ``url``: opened without a round trip (the first look
+    makes its schema ready), no timer thread (the workers' brokers fire timers), and the
+    short reconnect deadline of one look."""
+    return hooks.shared_broker(
+        url, migrate=False, timers=False, reconnect_timeout=LOOK_RECONNECT_TIMEOUT
+    )
 
 
 def summaries(progress: WaveProgress) -> list[dict[str, Any]]:

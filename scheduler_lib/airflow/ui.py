@@ -21,19 +21,27 @@ Airflow (no DAG) only to users who may see the cluster activity view.
 The broker is the one of the ``scheduler_lib`` connection named by ``[scheduler_lib]
 ui_conn_id`` in Airflow's configuration (default ``scheduler_lib_default``), looked up
 through Airflow's secrets backends: environment variables, then the metastore.
+
+While the broker's database is unavailable (stopped, restarting, failing over) the JSON
+routes answer 503 within ``[scheduler_lib] ui_reconnect_timeout`` seconds (default 5),
+with one line naming the database and the reason; the page itself needs no database, so
+it stays up, shows that line and keeps polling. The first request after the database is
+back answers 200 again: nothing is cached in a broken state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import html
 import importlib.resources
 import json
 import string
 import urllib.parse
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Any
 
+import sqlalchemy as sa
 from airflow.api_fastapi.app import get_auth_manager
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
 from airflow.api_fastapi.auth.managers.models.resource_details import (
@@ -61,6 +69,12 @@ from scheduler_lib.scheduler import monitor
 URL_PREFIX = "/scheduler-lib"  # where the api-server mounts the app
 CONFIG_SECTION = "scheduler_lib"
 REFRESH_INTERVAL = 3  # seconds between the page's polls (``?refresh=N`` to change)
+# Seconds a request rides through a database outage before it answers 503. Short, unlike
+# the broker's default (120 s): the page polls on its own, so a request that waited for
+# the database would only hold one of the api-server's threads (shared with Airflow's own
+# routes) and leave the browser with a page that hangs. A restart shorter than this goes
+# unnoticed; a longer outage shows its reason until the database is back.
+UI_RECONNECT_TIMEOUT = 5.0
 STATIC_FILES = {  # name -> media type: the only files the static route serves
     "page.js": "text/javascript; charset=utf-8",
     "page.css": "text/css; charset=utf-8",
@@ -79,8 +93,27 @@ def conn_id() -> str:
     return conf.get(CONFIG_SECTION, "ui_conn_id", fallback=hooks.DEFAULT_CONN_ID)
 
 
+def reconnect_timeout() -> float:
+    """Seconds a request waits for an unavailable database before answering 503
+    (``[scheduler_lib] ui_reconnect_timeout``, default :data:`UI_RECONNECT_TIMEOUT`)."""
+    raw = conf.get(CONFIG_SECTION, "ui_reconnect_timeout", fallback=None)
+    if raw is None or not str(raw).strip():
+        return UI_RECONNECT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"[{CONFIG_SECTION}] ui_reconnect_timeout must be a number of seconds >= 0, "
+            f"got {raw!r}",
+        )
+    return seconds
+
+
 def get_broker() -> Broker:
-    """The broker of the page's connection, shared with the process's hooks.
+    """The broker of the page's connection, ready to read.
 
     The connection is looked up on every call (cheap next to a refresh) so an edited
     connection takes effect without restarting the api-server. Airflow's server-side
@@ -88,7 +121,11 @@ def get_broker() -> Broker:
     in a process that declares itself a server, which a test client or an app embedded
     elsewhere does not.
 
-    :raises HTTPException: 503 naming the connection when it is missing or unusable
+    The broker is the process's, opened without a round trip (its schema is made ready
+    here, through :func:`database`), with the page's short reconnect deadline.
+
+    :raises HTTPException: 503 naming the connection when it is missing or unusable, or
+        naming the database when it is unavailable
     """
     name = conn_id()
     try:
@@ -104,12 +141,63 @@ def get_broker() -> Broker:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
     try:
         # The page only reads: no timer thread (it would write, and the connection may
-        # use a role that can only SELECT).
-        return hooks.shared_broker(url, migrate=options["migrate"], timers=False)
+        # use a role that can only SELECT). Opened without migrating, so that opening it
+        # never waits for the database (nor holds the process's lock of shared brokers
+        # meanwhile): the schema is brought up to date below, as a call that may 503.
+        broker = hooks.shared_broker(
+            url, migrate=False, timers=False, reconnect_timeout=reconnect_timeout()
+        )
     except BrokerError as exc:
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE, f"connection {name!r}: {exc}"
         ) from None
+    with database(broker):
+        hooks.ready(broker, migrate=options["migrate"])
+    return broker
+
+
+@contextlib.contextmanager
+def database(broker: Broker) -> Iterator[None]:
+    """Run the block's reads of ``broker``; an unavailable database is a 503 with one line
+    naming it (never a traceback, never a password).
+
+    While the database is away, one request at a time waits for it (up to
+    :func:`reconnect_timeout`) and the others answer 503 at once: an outage holds one of
+    the api-server's threads, not one per open page.
+    """
+    with hooks.turn(broker) as mine:
+        if not mine:
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, _unavailable(broker))
+        try:
+            yield
+        except InvalidArgument as exc:
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from None
+        except Exception as exc:
+            if hooks.is_outage(exc):
+                raise HTTPException(
+                    status.HTTP_503_SERVICE_UNAVAILABLE, _unavailable(broker, exc)
+                ) from None
+            if isinstance(exc, BrokerError | sa.exc.SQLAlchemyError):
+                # Anything else the database said (a missing table, a refused
+                # permission): its first line, not a 500 with a traceback.
+                raise HTTPException(
+                    status.HTTP_503_SERVICE_UNAVAILABLE, _database_error(broker, exc)
+                ) from None
+            raise
+
+
+def _unavailable(broker: Broker, exc: BaseException | None = None) -> str:
+    return f"{hooks.outage_line(broker, exc)}; the page asks again at its next refresh"
+
+
+def _database_error(broker: Broker, exc: BaseException) -> str:
+    if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None:
+        exc = exc.orig
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    database = broker.url.render_as_string(hide_password=True)
+    text = f"database {database}: {first}"
+    password = broker.url.password
+    return text.replace(str(password), "***") if password else text
 
 
 BrokerDep = Annotated[Broker, Depends(get_broker)]
@@ -188,11 +276,10 @@ def _snapshot(
 ) -> dict[str, Any]:
     try:
         filters = monitor.Filters.of(scheduler_handle, dag_id, run_id)
-        return monitor.snapshot(broker, filters, limit=limit)
     except InvalidArgument as exc:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from None
-    except BrokerError as exc:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
+    with database(broker):
+        return monitor.snapshot(broker, filters, limit=limit)
 
 
 def _visibility(user: BaseUser) -> Callable[[str | None], bool]:

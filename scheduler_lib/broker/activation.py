@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler_lib.broker import events, exceptions, wakeup
 from scheduler_lib.broker.events import QUEUE_ACTIVATION
+from scheduler_lib.broker.models import QueueInfo
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker
@@ -60,6 +61,7 @@ class Decision:
     readers_running: int
     readers_started: int
     events_posted: int
+    eager: bool = False  # the queue starts a reader per ready message
 
 
 _reader = threading.local()  # the activated task this thread runs as, if any
@@ -288,7 +290,9 @@ class ActivationRuntime:
                 # just registered, look once more: a message committed between our check
                 # and the registration sent no NOTIFY.
                 idle = decision.readers_running + decision.readers_started == 0
-                if self._listen(queue, idle) and idle:
+                # An eager queue's monitor hears every arrival, readers or not: a wave
+                # that comes while some readers idle still needs one reader per task.
+                if self._listen(queue, idle or decision.eager) and idle:
                     continue
                 interval = self._next_check_in(queue)
                 if not decision.messages_ready and self.idle_check_interval is not None:
@@ -346,7 +350,7 @@ class ActivationRuntime:
             if head is None or not info.is_receive_enabled:
                 self._saturated[queue] = False
                 tx._execute("monitor_idle", queue=queue, now=now)
-                return Decision(queue, head is not None, running, 0, 0)
+                return Decision(queue, head is not None, running, 0, 0, info.is_activation_eager)
             stamps = (monitor["last_empty_rowset_at"], self.broker.last_waiting_receiver(queue))
             last_empty = max((t for t in stamps if t is not None), default=None)
             nobody_waiting = last_empty is None or now - last_empty >= self.empty_grace
@@ -355,14 +359,13 @@ class ActivationRuntime:
                 and info.activation_procedure
                 and info.activation_procedure not in self.skip_procedures
             ):
-                last_started = monitor["last_activated_at"]
-                settled = last_started is None or now - last_started >= self.empty_grace
-                needed = running == 0 or (nobody_waiting and settled)
+                wanted = self._readers_wanted(tx, info, monitor, running, nobody_waiting, now)
                 # A procedure that just failed is not restarted in a hot loop.
                 if now - self._failed_at.get(queue, float("-inf")) < self.empty_grace:
-                    needed = False
-                capped = self.reader_cap is not None and self.readers_of(queue) >= self.reader_cap
-                if needed and running < info.max_readers and not capped:
+                    wanted = 0
+                if self.reader_cap is not None:
+                    wanted = min(wanted, self.reader_cap - self.readers_of(queue))
+                for _ in range(max(0, min(wanted, info.max_readers - running))):
                     task_id = str(uuid.uuid4())
                     with self._lock:
                         self._starting.add(task_id)
@@ -393,7 +396,33 @@ class ActivationRuntime:
         with self._lock:
             self._starting.difference_update(t for t, _ in started)
         self._saturated[queue] = full
-        return Decision(queue, True, running, len(started), posted)
+        return Decision(queue, True, running, len(started), posted, info.is_activation_eager)
+
+    def _readers_wanted(
+        self,
+        tx: Any,
+        info: QueueInfo,
+        monitor: Mapping[str, Any],
+        running: int,
+        nobody_waiting: bool,
+        now: float,
+    ) -> int:
+        """How many readers to start now.
+
+        Seed 000's gradual rule: one when none runs, one more when messages wait and no
+        RECEIVE came back empty for ``empty_grace`` (readers are busy) — a reader holds
+        a conversation group while it works, so a backlog on one conversation must not
+        get readers it cannot use. Eager queues (``eager_activation``: readers that take
+        under leases and hold the group only while they take) get a reader per ready
+        message at once: a wave of N tasks starts N readers.
+        """
+        if info.is_activation_eager:
+            ready = int(tx._scalar("queue_ready_count", queue=info.name, cap=info.max_readers))
+            busy = int(tx._scalar("queue_lease_count", queue=info.name))
+            return min(info.max_readers, busy + ready) - running
+        last_started = monitor["last_activated_at"]
+        settled = last_started is None or now - last_started >= self.empty_grace
+        return 1 if running == 0 or (nobody_waiting and settled) else 0
 
     def _post_activation_events(
         self,

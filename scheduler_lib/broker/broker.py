@@ -127,7 +127,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
     def apply_migrations(self, migrations: schema.MigrationSet) -> None:
         """Bring a layer's own schema (its migrations, its version table) up to date on
         this broker's database. Idempotent."""
-        schema.migrate(self._engine, migrations=migrations)
+        self.retrying(lambda: _migrating(self._engine, migrations), what="migrate")
 
     def _engines(self) -> list[sa.Engine]:
         engines = [self._engine, self._autocommit_engine, self._async_engine]
@@ -252,20 +252,34 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                         connect_args={"options": "-c synchronous_commit=off"},
                     )
         now = time.time()
-        with connections.connect(self._async_engine) as conn:
-            rows = self._store.rows(
-                conn,
-                "take_fast",
-                queue=queue,
-                top=top,
-                worker=holder,
-                now=now,
-                expires_at=now + duration,
-            )
+        try:
+            with connections.connect(self._async_engine) as conn:
+                rows = self._store.rows(
+                    conn,
+                    "take_fast",
+                    queue=queue,
+                    top=top,
+                    worker=holder,
+                    now=now,
+                    expires_at=now + duration,
+                )
+        except exceptions.ConnectionLost:
+            # In autocommit the take commits as it runs: lost before its reply, its leases
+            # may exist. They are this holder's, taken at this instant: find them again
+            # (else they would expire, and count as a lost worker's).
+            rows = self.retrying(lambda: self._leases_taken(holder, now), what="take")
+            if not rows:
+                raise
         leases = [poison.lease_from_row(row, holder, duration, now + duration) for row in rows]
         if leases:  # its monitor looks again; the timer thread learns the expiry
             self._after_commit(frozenset({queue}), now + duration)
         return leases
+
+    def _leases_taken(self, holder: str, now: float) -> list[tuple[Any, ...]]:
+        with connections.connect(self._engine) as conn:
+            rows = self._store.rows(conn, "leases_taken", worker=holder, now=now)
+            conn.rollback()
+        return rows
 
     def arrivals(self, queue: str) -> int:
         """A number that grows whenever messages may have arrived on ``queue`` (this
@@ -306,6 +320,11 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         and dialect overrides): how a layer above the broker runs its own SQL without
         touching a connection. Idempotent."""
         self._store.extend(package)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (nothing can be done on it any more)."""
+        return self._closed.is_set()
 
     @property
     def url(self) -> sa.URL:
@@ -572,11 +591,11 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             self._timer_sleeps_until = 0.0  # awake: every new deadline will be seen
 
 
-def _migrating(engine: sa.Engine) -> None:
+def _migrating(engine: sa.Engine, migrations: schema.MigrationSet = schema.BROKER) -> None:
     """Apply the migrations; a server that is not up yet is a lost connection (a broker
     started during an outage waits for the database, as its operations do)."""
     try:
-        schema.migrate(engine)
+        schema.migrate(engine, migrations=migrations)
     except sa.exc.DBAPIError as exc:
         if engine.dialect.name == "postgresql" and connections.is_lost(exc):
             raise connections.lost("migrate", exc) from exc

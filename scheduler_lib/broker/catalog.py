@@ -191,6 +191,7 @@ class CatalogOperations:
         poison_message_handling: bool = True,
         receive_aging: float | None = None,
         fair_share: float | None = None,
+        eager_activation: bool = False,
     ) -> None:
         """CREATE QUEUE.
 
@@ -211,6 +212,11 @@ class CatalogOperations:
             message costs its conversation this many seconds of virtual time, so bursts
             of several conversations interleave (docs/broker.md, "Fair share"); ``None`` (the
             default) keeps arrival order
+        :param eager_activation: start a reader per ready message at once (up to
+            ``max_queue_readers``) instead of seed 000's gradual rule — for readers that
+            take messages under leases (``take``), which run the messages of one
+            conversation side by side: the task scheduler's targets (docs/broker.md,
+            "Which rule a queue follows")
         :raises AlreadyExists: if the name is taken
         """
         settings = _queue_settings(
@@ -224,6 +230,7 @@ class CatalogOperations:
             poison_message_handling=poison_message_handling,
             receive_aging=receive_aging,
             fair_share=fair_share,
+            eager_activation=eager_activation,
         )
         with self._operation() as tx:
             if tx._one("queue_get", name=name):
@@ -244,6 +251,7 @@ class CatalogOperations:
         poison_message_handling: bool = _UNSET,
         receive_aging: float | None = _UNSET,
         fair_share: float | None = _UNSET,
+        eager_activation: bool = _UNSET,
     ) -> QueueInfo:
         """ALTER QUEUE: change the given settings, keep the others.
 
@@ -266,6 +274,7 @@ class CatalogOperations:
                 "poison_message_handling": poison_message_handling,
                 "receive_aging": receive_aging,
                 "fair_share": fair_share,
+                "eager_activation": eager_activation,
             }
             merged = {
                 "status": current.is_receive_enabled,
@@ -277,6 +286,7 @@ class CatalogOperations:
                 "poison_message_handling": current.is_poison_message_handling_enabled,
                 "receive_aging": current.receive_aging_seconds,
                 "fair_share": current.fair_share_quantum,
+                "eager_activation": current.is_activation_eager,
             }
             merged.update({k: v for k, v in changes.items() if v is not _UNSET})
             settings = _queue_settings(name=name, **merged)
@@ -607,6 +617,7 @@ def _ensure_event_catalog(tx: Transaction) -> None:
                 poison_message_handling=False,
                 receive_aging=None,
                 fair_share=None,
+                eager_activation=False,
             ),
         )
     if not tx._one("service_get", name=EVENT_SERVICE):
@@ -661,7 +672,8 @@ def _priority_fields(
 
 
 def _queue_settings(**settings: Any) -> dict[str, Any]:
-    for flag in ("status", "retention", "activation_status", "poison_message_handling"):
+    flags = ("status", "retention", "activation_status", "poison_message_handling")
+    for flag in (*flags, "eager_activation"):
         if not isinstance(settings[flag], bool):
             raise exceptions.InvalidArgument(
                 f"queue {flag} must be True or False, got {settings[flag]!r}"

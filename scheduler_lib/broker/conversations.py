@@ -262,7 +262,14 @@ class ConversationOperations:
         group_id = None if group is None else checks.handle(group, "conversation group id")
         if group_id is None:
             with self._single_statement() as tx:
-                found = tx._receive_fast(queue, top, handle)
+                try:
+                    found = tx._receive_fast(queue, top, handle)
+                except exceptions.ConnectionLost as exc:
+                    if not tx._autocommit or tx._connection is None:
+                        raise  # not connected: it took nothing, and is run again
+                    # In autocommit the RECEIVE commits as it runs: lost before its reply,
+                    # it may have taken messages, which only the caller can find again.
+                    raise exceptions.ConnectionLost(str(exc), committing=True) from exc
                 if found:
                     tx._received_queues.add(queue)
                     return found

@@ -12,6 +12,7 @@ from scheduler_lib.broker import exceptions
 DEFAULT_URL = "sqlite:///scheduler_lib.db"
 SQLITE_BUSY_TIMEOUT = 60  # seconds a writer waits for SQLite's write lock
 POOL_SIZE = 10  # connections kept per process on PostgreSQL
+POSTGRESQL_CONNECT_TIMEOUT = 10  # seconds one connection attempt may take
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -82,6 +83,10 @@ def create_engine(url: str | URL, **kwargs: Any) -> Engine:
         return engine
     kwargs.setdefault("pool_size", POOL_SIZE)
     kwargs.setdefault("max_overflow", POOL_SIZE)
-    # No pool_pre_ping: it costs a round trip per transaction on the hot path. A connection
-    # the server dropped fails its transaction once and is then replaced by the pool.
-    return sa.create_engine(parsed, **kwargs)
+    # A host that does not answer (no refusal) must not hold one attempt for minutes:
+    # callers retry within their reconnect deadline (broker/connections.py).
+    connect_args = dict(kwargs.pop("connect_args", None) or {})
+    connect_args.setdefault("connect_timeout", POSTGRESQL_CONNECT_TIMEOUT)
+    # No pool_pre_ping: it costs a round trip per transaction on the hot path. A lost
+    # connection throws the pool's connections away, and the call runs again on a new one.
+    return sa.create_engine(parsed, connect_args=connect_args, **kwargs)

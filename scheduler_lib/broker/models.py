@@ -190,6 +190,7 @@ class QueueInfo:
     disabled_reason: str | None = None  # why it is off (poison message handling, ALTER)
     disabled_at: float | None = None
     fair_share_quantum: float | None = None  # None: arrival order across conversations
+    is_activation_eager: bool = False  # a reader per ready message at once (leased work)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> QueueInfo:
@@ -207,6 +208,7 @@ class QueueInfo:
             disabled_reason=row.get("disabled_reason"),
             disabled_at=row.get("disabled_at"),
             fair_share_quantum=row.get("fair_share_quantum"),
+            is_activation_eager=bool(row.get("is_activation_eager") or False),
         )
 
     def disabled_error(self) -> QueueDisabled:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import threading
 from contextlib import redirect_stdout
 
 import sqlalchemy as sa
@@ -39,6 +40,9 @@ def _config(migrations: MigrationSet) -> Config:
     return config
 
 
+_MIGRATING = threading.Lock()  # see migrate()
+
+
 def head(migrations: MigrationSet = BROKER) -> str:
     """The newest migration's revision id."""
     revision = ScriptDirectory.from_config(_config(migrations)).get_current_head()
@@ -55,9 +59,14 @@ def current(engine: sa.Engine, migrations: MigrationSet = BROKER) -> str | None:
 
 
 def migrate(engine: sa.Engine, revision: str = "head", migrations: MigrationSet = BROKER) -> None:
-    """Upgrade the database to ``revision`` (idempotent: a no-op when already there)."""
+    """Upgrade the database to ``revision`` (idempotent: a no-op when already there).
+
+    One at a time per process: alembic runs a migration through module-level proxies
+    (``alembic.context``), which threads migrating at once would tear from each other —
+    as the readers of a wave, started together, each preparing the scheduler's schema.
+    """
     config = _config(migrations)
-    with engine.begin() as conn:
+    with _MIGRATING, engine.begin() as conn:
         config.attributes["connection"] = conn
         command.upgrade(config, revision)
 

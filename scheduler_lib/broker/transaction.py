@@ -208,8 +208,16 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
 
     def _release_while_idle(self) -> None:
         """End the database transaction if it did nothing yet (so waiting holds no lock)."""
-        if not self._wrote and self._connection is not None and self._connection.in_transaction():
-            self._connection.rollback()
+        conn = self._connection
+        if not self._wrote and conn is not None and conn.in_transaction():
+            try:
+                conn.rollback()
+            except sa.exc.DBAPIError as exc:
+                if not connections.is_lost(exc):
+                    raise exceptions.DatabaseError(f"rollback: {exc.orig}") from exc
+                connections.invalidate(conn, exc)
+                # It had done nothing: nothing went with it, and the operation can run again
+                raise connections.lost("rollback", exc) from exc
             self._leave_gate()
 
     def _enter_gate(self) -> None:

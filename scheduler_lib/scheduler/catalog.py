@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,12 +65,19 @@ class Target:
 
 
 def prepare(broker: Broker) -> None:
-    """The scheduler's schema and queries on this broker (idempotent, cheap)."""
+    """The scheduler's schema and queries on this broker (idempotent, cheap). The
+    readers of a wave start together: one of them prepares, the others wait for it."""
     if getattr(broker, "_scheduler_prepared", False):
         return
-    broker.apply_migrations(MIGRATIONS)
-    broker.use_queries(QUERIES)
-    broker._scheduler_prepared = True  # type: ignore[attr-defined]
+    with _PREPARING:
+        if getattr(broker, "_scheduler_prepared", False):
+            return
+        broker.apply_migrations(MIGRATIONS)
+        broker.use_queries(QUERIES)
+        broker._scheduler_prepared = True  # type: ignore[attr-defined]
+
+
+_PREPARING = threading.Lock()  # see prepare()
 
 
 def init(
@@ -152,6 +160,9 @@ def init(
             # a receive back; silent failures are the lease's business.
             "poison_message_handling": False,
             "fair_share": FAIR_SHARE,
+            # Executors take tasks under leases: the tasks of a wave (one conversation)
+            # run side by side, so a wave of N gets N readers at once.
+            "eager_activation": True,
         }
         if target.queue not in queues:
             _tolerate_race(functools.partial(broker.create_queue, target.queue, **settings))

@@ -27,6 +27,7 @@ from scheduler_lib.broker import (
     ConnectionLost,
     ConversationNotFound,
     ConversationStateError,
+    DatabaseUnavailable,
     EndpointState,
 )
 from scheduler_lib.broker import validation as checks
@@ -318,8 +319,14 @@ class TaskScheduler:
         handle = self.get_scheduler(target=target, max_in_flight=max_in_flight)
         try:
             yield handle
-        finally:
+        except DatabaseUnavailable:
+            # Releasing would wait out a second reconnect deadline and hide this error;
+            # the conversation stays, its sent tasks still run and their rows end truly.
+            raise
+        except BaseException:
             self.release_scheduler(handle)
+            raise
+        self.release_scheduler(handle)
 
     def cancel_queued(self, handle: SchedulerHandle, reason: str = "cancelled") -> int:
         """Mark the scheduler's tasks that have not started as cancelled; the executor

@@ -115,6 +115,8 @@ class Executor:
         handled = 0
         idle_since = time.monotonic()
         while not activation.stopping() and not (stop is not None and stop.is_set()):
+            if self.broker.closed:  # nothing can be done any more
+                return handled
             left = self.idle_timeout - (time.monotonic() - idle_since)
             if left <= 0:
                 return handled
@@ -382,6 +384,10 @@ class Executor:
             except ConnectionLost as exc:  # lost while committing: see above
                 log.warning("task %s: %s; trying again", log_id, exc)
             except DatabaseUnavailable as exc:
+                if self.broker.closed:
+                    # Nothing can be committed any more: the lease expires, and the poison
+                    # policy retries or fails the task (its caller is told either way).
+                    raise
                 log.warning("task %s: its answer waits for the database: %s", log_id, exc)
 
     def _outcome_recorded(self, log_id: int, status: str) -> bool:

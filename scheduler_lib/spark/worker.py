@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduler_lib.broker import Broker, activation
 from scheduler_lib.broker.exceptions import AlreadyExists, InvalidArgument
@@ -131,6 +131,7 @@ class Worker:
         kinds.register()
         if self.spark is None:
             self.spark = session.build(self.master, self.conf, self.app_name)
+            _warm_up(self.spark, self.max_readers)
         else:
             session.use(self.spark)
         catalog.prepare(self.broker)
@@ -294,3 +295,23 @@ def split_command(command: str) -> list[str]:
     if not argv:
         raise InvalidArgument("--launch-command is empty")
     return argv
+
+
+def _warm_up(spark: Any, readers: int) -> None:
+    """Run a few small jobs before serving, ``readers`` at once: a new JVM's first Spark
+    SQL statements spend seconds loading classes and generating code, which would
+    otherwise land on the first wave's tasks (the blog's first wave took 3.3 s for 0.5 s
+    tasks on a cold worker)."""
+    started = time.monotonic()
+
+    def statement() -> None:
+        spark.sql("SELECT count(*), max(id) FROM range(0, 1000, 1, 2) WHERE id % 7 = 3").collect()
+        spark.sql("SELECT java_method('java.lang.Math', 'abs', CAST(-1 AS INT))").collect()
+
+    statement()
+    threads = [threading.Thread(target=statement) for _ in range(max(1, readers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    log.info("Spark session warmed up in %.1f s", time.monotonic() - started)

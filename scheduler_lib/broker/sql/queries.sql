@@ -67,10 +67,12 @@ DELETE FROM contracts WHERE contract_name = :name;
 INSERT INTO queues (
     queue_name, is_receive_enabled, is_retention_enabled, is_activation_enabled,
     activation_procedure, max_readers, execute_as, is_poison_message_handling_enabled,
-    receive_aging_seconds, fair_share_quantum, waiting_receivers, created_at, modified_at
+    receive_aging_seconds, fair_share_quantum, is_activation_eager, waiting_receivers,
+    created_at, modified_at
 ) VALUES (
     :name, :status, :retention, :activation_status, :activation_procedure, :max_readers,
-    :execute_as, :poison_message_handling, :receive_aging, :fair_share, 0, :now, :now
+    :execute_as, :poison_message_handling, :receive_aging, :fair_share, :eager_activation, 0,
+    :now, :now
 );
 
 -- name: queue_get
@@ -93,6 +95,7 @@ UPDATE queues SET
     is_poison_message_handling_enabled = :poison_message_handling,
     receive_aging_seconds = :receive_aging,
     fair_share_quantum = :fair_share,
+    is_activation_eager = :eager_activation,
     disabled_reason = :disabled_reason,
     disabled_at = :disabled_at,
     consecutive_rollbacks = CASE
@@ -636,6 +639,16 @@ DELETE FROM queue_monitors WHERE queue_name NOT IN (
 -- name: queue_head
 -- The first ready message of a queue (the monitor's view of "is there work").
 SELECT min(message_id) FROM queue_messages WHERE queue_name = :queue AND status = 1;
+
+-- name: queue_ready_count
+-- Ready messages of a queue, counted up to :cap (eager activation wants no more).
+SELECT count(*) FROM (
+    SELECT 1 FROM queue_messages WHERE queue_name = :queue AND status = 1 LIMIT :cap
+) AS ready;
+
+-- name: queue_lease_count
+-- Messages of a queue its readers hold under leases: readers busy with them.
+SELECT count(*) FROM message_leases WHERE queue_name = :queue;
 
 -- name: queues_activating
 -- Queues that need a monitor: activation on, or a QUEUE_ACTIVATION subscriber.

@@ -312,6 +312,15 @@ RETURNING lease_id, queue_name, conversation_group_id, conversation_handle,
     message_sequence_number, message_type_name, message_body, priority, service_name,
     service_contract_name, enqueued_at;
 
+-- name: leases_taken
+-- The leases one take_fast made (its holder, its instant), as take_fast returns them: found
+-- again when its reply was lost.
+SELECT lease_id, queue_name, conversation_group_id, conversation_handle,
+    message_sequence_number, message_type_name, message_body, priority, service_name,
+    service_contract_name, enqueued_at
+FROM message_leases WHERE worker = :worker AND taken_at = :now
+ORDER BY priority DESC, conversation_handle, message_sequence_number;
+
 -- name: send_many_fast
 -- SEND of several messages of one type on one conversation in one round trip (as
 -- send_fast, for :n bodies): consecutive sequence numbers, fair-share stamps one quantum

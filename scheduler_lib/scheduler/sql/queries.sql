@@ -62,7 +62,11 @@ AND (end_time IS NULL OR (status = 'CANCELLED' AND worker_id IS NULL));
 -- Where it will run on Spark, when the worker knows it already (saves a statement).
 UPDATE execution_log
 SET status = 'RUNNING', start_time = :now, worker_id = :worker,
-    activated_task_id = :activated_task_id, attempts = attempts + 1,
+    activated_task_id = :activated_task_id,
+    attempts = attempts + CASE
+        WHEN status = 'RUNNING' AND start_time = :now
+            AND worker_id = CAST(:worker AS VARCHAR(256)) THEN 0 ELSE 1
+    END,
     spark_application_id = :application_id, spark_job_group = :job_group,
     spark_ui_url = :ui_url
 WHERE log_id = :log_id AND status IN ('QUEUED', 'RUNNING');

@@ -1,0 +1,178 @@
+"""Backends terminated again and again under a running scheduler (the cheap cousin of the
+private-server restart tests, on the shared server: only this test's own database's
+sessions are terminated). Waves of tasks run with two in-process executors while a killer
+thread runs ``pg_terminate_backend`` on every backend of the test database every 100-300
+ms: the waves end ok, every task ran exactly once (by the marks it left outside the
+database), every row is SUCCEEDED with one attempt, none is left RUNNING, no lease is
+left.
+
+A failure prints its seed; ``TERMINATE_SEED=N`` replays the killer's schedule.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from scheduler_lib.broker import Broker
+from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
+
+pytestmark = pytest.mark.postgres
+
+WAVES, TASKS, TASK_SECONDS = 10, 4, 0.2
+EXECUTORS = 2
+KILL_EVERY = (0.1, 0.3)  # seconds between two rounds of terminations
+MAX_ROUNDS = 150  # bounds the killer whatever happens
+RUN_TIMEOUT = 60.0  # seconds run_waves may wait for any one completion
+QUEUE = "QueueAsyncTarget"
+
+
+def mark(path: str, name: str, seconds: float) -> str:
+    """A task that appends ``start NAME`` to ``path``, sleeps, appends ``end NAME``."""
+    _append(path, f"start {name}")
+    time.sleep(seconds)
+    _append(path, f"end {name}")
+    return name
+
+
+def _append(path: str, line: str) -> None:
+    # One write of one short line to a file opened for appending: never interleaved
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _marks(path: Path) -> tuple[Counter[str], Counter[str]]:
+    starts: Counter[str] = Counter()
+    ends: Counter[str] = Counter()
+    for line in path.read_text().splitlines() if path.exists() else []:
+        what, name = line.split()
+        (starts if what == "start" else ends)[name] += 1
+    return starts, ends
+
+
+class Killer(threading.Thread):
+    """Terminates every backend of ``database`` at seeded random intervals, from a
+    session on the admin database, until told to stop (or MAX_ROUNDS)."""
+
+    def __init__(self, admin_url: str, database: str, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+        self.database, self.random = database, random.Random(seed)
+        self.done = threading.Event()
+        self.rounds, self.terminated = 0, 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.engine.connect() as conn:
+                # The interval is the schedule, not a hope that something happened
+                while self.rounds < MAX_ROUNDS and not self.done.wait(
+                    self.random.uniform(*KILL_EVERY)
+                ):
+                    self.terminated += int(
+                        conn.exec_driver_sql(
+                            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) "
+                            "FROM pg_stat_activity WHERE datname = %(db)s "
+                            "AND pid <> pg_backend_pid()",
+                            {"db": self.database},
+                        ).scalar_one()
+                    )
+                    self.rounds += 1
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            self.engine.dispose()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(30)
+
+
+@pytest.fixture
+def brokers(postgres_url: str) -> Iterator[tuple[Broker, Broker]]:
+    """The caller's broker and the executors' broker (two processes' worth of pools)."""
+    caller = Broker(postgres_url)
+    worker = Broker(postgres_url)
+    try:
+        init(caller, targets=[Target(activation=False)])  # retries=0: a lost task FAILS
+        yield caller, worker
+    finally:
+        worker.close()
+        caller.close()
+
+
+def test_waves_run_once_each_while_backends_are_terminated(
+    brokers: tuple[Broker, Broker], postgres_server: str, postgres_url: str, tmp_path: Path
+) -> None:
+    caller, worker = brokers
+    seed = int(os.environ.get("TERMINATE_SEED", random.randrange(1_000_000)))
+    print(f"TERMINATE_SEED={seed}")
+    marks_file = tmp_path / "marks"
+    names = [[f"w{w}t{t}" for t in range(TASKS)] for w in range(WAVES)]
+    waves = [
+        [Task.python(f"{__name__}:mark", str(marks_file), n, TASK_SECONDS, name=n) for n in wave]
+        for wave in names
+    ]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def serve(executor: Executor) -> None:
+        try:
+            executor.serve(stop)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    executors = [
+        threading.Thread(
+            target=serve, args=(Executor(worker, QUEUE, idle_timeout=120),), daemon=True
+        )
+        for _ in range(EXECUTORS)
+    ]
+    for thread in executors:
+        thread.start()
+    # Given a killer terminating every session of the test database every 100-300 ms
+    killer = Killer(postgres_server, sa.make_url(postgres_url).database or "", seed)
+    killer.start()
+    started = time.monotonic()
+    try:
+        # When the waves run under it
+        report = TaskScheduler(caller).run_waves(waves, timeout=RUN_TIMEOUT)
+    finally:
+        killer.stop()
+        stop.set()
+        for thread in executors:
+            thread.join(30)
+    took = time.monotonic() - started
+    context = f"seed {seed}, {killer.rounds} rounds, {killer.terminated} sessions terminated"
+    print(f"{context}, {took:.1f} s")
+    assert killer.error is None, f"{killer.error!r} ({context})"
+    assert errors == [], context
+    assert not any(t.is_alive() for t in executors), f"an executor did not stop ({context})"
+    # (the killer did its work while the waves ran)
+    assert killer.rounds >= 5 and killer.terminated >= 5, context
+    # Then the waves ended ok, one SUCCEEDED completion per task
+    assert report.ok, (report.failures, context)
+    everyone = sorted(n for wave in names for n in wave)
+    assert sorted(c.task_name or "" for c in report.completions) == everyone, context
+    # And each task ran exactly once, by the marks it left outside the database
+    starts, ends = _marks(marks_file)
+    once = Counter(everyone)
+    assert (starts, ends) == (once, once), context
+    # And execution_log agrees: SUCCEEDED, one attempt, ended; nothing RUNNING; no lease
+    rows = caller.fetch("log_of_scheduler", handle=str(report.scheduler_handle))
+    got = sorted(
+        (r["task_name"], r["status"], r["attempts"], r["end_time"] is not None) for r in rows
+    )
+    assert got == [(n, "SUCCEEDED", 1, True) for n in everyone], context
+    assert caller.leases() == [], context
