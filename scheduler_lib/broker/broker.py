@@ -110,6 +110,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         self._waiters_lock = threading.Lock()
         self._empty_stamped: dict[str, float] = {}
         self._waiting_noted: dict[str, float] = {}
+        self._last_group_received: dict[str, str] = {}  # queue -> group (SQLite's notes)
         self._empty_stamp_lock = threading.Lock()
         self._lease_keeper: poison.LeaseKeeper | None = None  # started on first use
         self._lease_keeper_lock = threading.Lock()

@@ -798,8 +798,15 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                     noted = broker._note_blocked_receiver(queue)
                 found = attempt()
                 if found:
-                    if noted is not None:
+                    group = _group_of(found)
+                    # SQLite: a receiver that queued for the write lock and then got the
+                    # group the previous holder just let go of was waiting for that group
+                    # (PostgreSQL's second reader would have found it locked, and empty):
+                    # its note stands. One that got another group was a busy reader.
+                    if noted is not None and broker._last_group_received.get(queue) != group:
                         broker._unnote_blocked_receiver(queue, noted)
+                    if group is not None:
+                        broker._last_group_received[queue] = group
                     self._received_queues.add(queue)
                     return found
                 self._release_while_idle()
@@ -860,3 +867,12 @@ def _in_order(messages: list[Message]) -> list[Message]:
         key=lambda m: (-m.priority, str(m.conversation_handle), m.message_sequence_number)
     )
     return messages
+
+
+def _group_of(found: object) -> str | None:
+    """The conversation group a RECEIVE (its messages) or GET CONVERSATION GROUP got."""
+    if isinstance(found, uuid.UUID):
+        return str(found)
+    if isinstance(found, list) and found and isinstance(found[0], Message):
+        return str(found[0].conversation_group_id)
+    return None

@@ -1000,3 +1000,27 @@ def test_reader_processes_do_not_outlive_a_runtime_killed_with_sigkill(
         gate.touch()
         if reader_pid is not None and process_alive(reader_pid):
             os.kill(reader_pid, signal.SIGKILL)
+
+
+def test_one_conversation_backlog_on_sqlite_gets_two_readers_at_most_in_real_time(
+    sqlite_url: str,
+) -> None:
+    """As `scheduler-lib serve` runs it (real clock, default grace): on SQLite the second
+    reader queues for the write lock and then takes the group the first just let go of —
+    it was waiting for that group, as PostgreSQL's second reader waits on the locked
+    group, so no third reader starts for a one-conversation backlog."""
+    with Broker(sqlite_url) as broker:
+        make_catalog(broker, max_readers=4)
+        procs.RECEIVE_TIMEOUT = 1.0
+        # 40 messages of 0.25 s of work inside the transaction: three graces of 3 s
+        send_jobs(
+            broker, [{"n": i, "hold": "tx", "work": 0.25} for i in range(40)], one_conversation=True
+        )
+        runtime = ActivationRuntime(broker).start()
+        try:
+            wait_for(lambda: len(numbers("done")) == 40, "the backlog to drain", timeout=60)
+        finally:
+            procs.GATE.set()
+            runtime.stop()
+        assert numbers("start") == list(range(40))
+        assert max_concurrent_readers() <= 2, procs.events("enter")
