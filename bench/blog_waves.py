@@ -28,10 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
-import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -43,13 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.broker_throughput import (
-    BUSY_WARNING_PCT,
-    busy_pct,
     database,
     docs_section,
     finish_run,
     log,
-    machine_facts,
+    start_report,
 )
 from scheduler_lib.broker import Broker
 
@@ -204,21 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-docs", action="store_true", help="do not append to the docs")
     args = parser.parse_args(argv)
     runs = args.runs or (2 if args.quick else 5)
-    idle_check = busy_pct(1.0)
-    if idle_check > BUSY_WARNING_PCT:
-        log(f"warning: the machine is {idle_check}% busy before the start; figures will be noisy")
-    started = time.monotonic()
-    report: dict[str, Any] = {
-        "benchmark": "blog_waves",
-        "started_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": shlex.join([Path(sys.executable).name, "-m", "bench.blog_waves", *sys.argv[1:]]),
-        "quick": args.quick,
-        "runs": runs,
-        "machine": machine_facts(),
-        "setups": {},
-    }
-    report["machine"]["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
-    report["machine"]["cpu_busy_pct_before_start"] = idle_check
+    report, started = start_report("blog_waves", args.quick, runs=runs, setups={})
     with tempfile.TemporaryDirectory() as tmp:
         sqlite = f"sqlite:///{tmp}/serve.db"
         report["setups"]["serve, SQLite"] = setup(

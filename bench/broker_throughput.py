@@ -1244,6 +1244,27 @@ def main(argv: list[str] | None = None) -> int:
     return finish_run(report, started, None if args.no_docs else markdown_section)
 
 
+def start_report(benchmark: str, quick: bool, **fields: Any) -> tuple[dict[str, Any], float]:
+    """The start of a benchmark: a busy machine is warned about, and the report begins
+    with when, the command, the machine and ``fields``; (report, monotonic start)."""
+    idle_check = busy_pct(1.0)
+    if idle_check > BUSY_WARNING_PCT:
+        log(f"warning: the machine is {idle_check}% busy before the start; figures will be noisy")
+    report: dict[str, Any] = {
+        "benchmark": benchmark,
+        "started_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join(
+            [Path(sys.executable).name, "-m", f"bench.{benchmark}", *sys.argv[1:]]
+        ),
+        "quick": quick,
+        **fields,
+        "machine": machine_facts(),
+    }
+    report["machine"]["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    report["machine"]["cpu_busy_pct_before_start"] = idle_check
+    return report, time.monotonic()
+
+
 def finish_run(
     report: dict[str, Any],
     started: float,

@@ -33,9 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
-import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -47,12 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.broker_throughput import (
-    BUSY_WARNING_PCT,
-    busy_pct,
     docs_section,
     finish_run,
     log,
-    machine_facts,
+    start_report,
 )
 from bench.private_postgres import PrivatePostgres
 from scheduler_lib.broker import Broker
@@ -233,21 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-docs", action="store_true", help="do not append to the docs")
     args = parser.parse_args(argv)
     rounds = args.rounds or (2 if args.quick else 5)
-    idle_check = busy_pct(1.0)
-    if idle_check > BUSY_WARNING_PCT:
-        log(f"warning: the machine is {idle_check}% busy before the start; figures will be noisy")
-    started = time.monotonic()
-    report: dict[str, Any] = {
-        "benchmark": "recovery",
-        "started_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": shlex.join([Path(sys.executable).name, "-m", "bench.recovery", *sys.argv[1:]]),
-        "quick": args.quick,
-        "rounds": rounds,
-        "machine": machine_facts(),
-        "sides": {},
-    }
-    report["machine"]["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
-    report["machine"]["cpu_busy_pct_before_start"] = idle_check
+    report, started = start_report("recovery", args.quick, rounds=rounds, sides={})
     with PrivatePostgres() as server:
         workdir = Path(server.root)
         for side in args.side or list(SIDES):

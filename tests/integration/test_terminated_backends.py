@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import threading
 import time
 from collections import Counter
@@ -21,6 +22,10 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+
+# The marking task the resilience tests use (tasks leave marks outside the database).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "resilience"))
+import marking_tasks
 
 from scheduler_lib.broker import Broker
 from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
@@ -33,32 +38,6 @@ KILL_EVERY = (0.1, 0.3)  # seconds between two rounds of terminations
 MAX_ROUNDS = 150  # bounds the killer whatever happens
 RUN_TIMEOUT = 60.0  # seconds run_waves may wait for any one completion
 QUEUE = "QueueAsyncTarget"
-
-
-def mark(path: str, name: str, seconds: float) -> str:
-    """A task that appends ``start NAME`` to ``path``, sleeps, appends ``end NAME``."""
-    _append(path, f"start {name}")
-    time.sleep(seconds)
-    _append(path, f"end {name}")
-    return name
-
-
-def _append(path: str, line: str) -> None:
-    # One write of one short line to a file opened for appending: never interleaved
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
-
-
-def _marks(path: Path) -> tuple[Counter[str], Counter[str]]:
-    starts: Counter[str] = Counter()
-    ends: Counter[str] = Counter()
-    for line in path.read_text().splitlines() if path.exists() else []:
-        what, name = line.split()
-        (starts if what == "start" else ends)[name] += 1
-    return starts, ends
 
 
 class Killer(threading.Thread):
@@ -121,7 +100,7 @@ def test_waves_run_once_each_while_backends_are_terminated(
     marks_file = tmp_path / "marks"
     names = [[f"w{w}t{t}" for t in range(TASKS)] for w in range(WAVES)]
     waves = [
-        [Task.python(f"{__name__}:mark", str(marks_file), n, TASK_SECONDS, name=n) for n in wave]
+        [Task.python("marking_tasks:mark", str(marks_file), n, TASK_SECONDS, name=n) for n in wave]
         for wave in names
     ]
     stop = threading.Event()
@@ -166,7 +145,7 @@ def test_waves_run_once_each_while_backends_are_terminated(
     everyone = sorted(n for wave in names for n in wave)
     assert sorted(c.task_name or "" for c in report.completions) == everyone, context
     # And each task ran exactly once, by the marks it left outside the database
-    starts, ends = _marks(marks_file)
+    starts, ends = marking_tasks.marks(marks_file)
     once = Counter(everyone)
     assert (starts, ends) == (once, once), context
     # And execution_log agrees: SUCCEEDED, one attempt, ended; nothing RUNNING; no lease
