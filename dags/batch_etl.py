@@ -20,6 +20,7 @@ Needs a ``scheduler_lib_default`` connection and a Spark worker on the same data
 from __future__ import annotations
 
 import datetime
+import sys
 from typing import Any
 
 from airflow.sdk import DAG
@@ -152,4 +153,5 @@ with DAG(
     )
 
 if __name__ == "__main__":
-    dag.test()
+    # dag.test() returns the run; a failed one must fail the command too.
+    sys.exit(0 if dag.test().state == "success" else 1)

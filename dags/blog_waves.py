@@ -13,6 +13,7 @@ Needs a ``scheduler_lib_default`` connection and something serving the target qu
 from __future__ import annotations
 
 import datetime
+import sys
 
 from airflow.sdk import DAG
 
@@ -62,4 +63,5 @@ with DAG(
     last >> ReleaseSchedulerOperator(task_id="release_scheduler").as_teardown(setups=get)
 
 if __name__ == "__main__":
-    dag.test()
+    # dag.test() returns the run; a failed one must fail the command too.
+    sys.exit(0 if dag.test().state == "success" else 1)

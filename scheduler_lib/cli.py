@@ -12,10 +12,14 @@ import threading
 import time
 from collections.abc import Sequence
 
+import sqlalchemy as sa
+
 from scheduler_lib import __version__, scheduler
 from scheduler_lib.broker import (
     Broker,
     BrokerError,
+    CannotConnect,
+    DatabaseUnavailable,
     InvalidArgument,
     activation,
     connections,
@@ -23,6 +27,7 @@ from scheduler_lib.broker import (
     schema,
     transport,
 )
+from scheduler_lib.scheduler import reporting
 
 DB_ENV = "SCHEDULER_LIB_DB"  # default for --db
 
@@ -67,6 +72,7 @@ def _run(args: argparse.Namespace) -> int:
             serve=args.serve,
             serve_skip={SPARK_PROCEDURE},  # Spark target queues are served by workers
             as_json=args.json,
+            reader_wait=None if args.wait_for_readers else args.reader_wait,
         )
         return runner.run()
 
@@ -474,6 +480,9 @@ def _poison_id(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scheduler-lib", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--verbose", action="store_true", help="show the traceback of an error, not one line"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     init = commands.add_parser("init", help="create or upgrade the broker schema (idempotent)")
@@ -622,6 +631,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the target's executors in this process while the plan runs",
     )
     run.add_argument("--json", action="store_true", help="print the report as JSON")
+    run.add_argument(
+        "--reader-wait",
+        type=_seconds,
+        default=reporting.READER_WAIT,
+        metavar="SECONDS",
+        help="how long to wait for a `serve` or `worker` to serve the target before "
+        f"refusing to send (default {reporting.READER_WAIT:g})",
+    )
+    run.add_argument(
+        "--wait-for-readers",
+        action="store_true",
+        help="wait for ever for something to serve the target (it may start later)",
+    )
     run.set_defaults(run=_run)
 
     status = commands.add_parser("status", help="what runs now, the recent log, semaphores")
@@ -668,9 +690,33 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("scheduler_lib").addHandler(logging.NullHandler())
     try:
         return int(args.run(args))
-    except BrokerError as exc:
-        print(f"scheduler-lib: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:
+        if args.verbose:
+            raise
+        code, line = _failure(exc)
+        print(f"scheduler-lib: error: {line}", file=sys.stderr)
+        return code
+
+
+EXIT_FAILED = 1  # a task of the plan failed (run)
+EXIT_ERROR = 2  # bad input or a refused operation: the message says what to change
+EXIT_DATABASE = 3  # the database could not be reached or opened
+
+
+def _failure(exc: Exception) -> tuple[int, str]:
+    """(exit code, one line) for an error that ends a command: what was wrong and how
+    to fix it, never a traceback (``--verbose`` shows it) nor a password."""
+    if isinstance(exc, DatabaseUnavailable | CannotConnect):
+        return EXIT_DATABASE, _one_line(exc)
+    if isinstance(exc, BrokerError):
+        return EXIT_ERROR, _one_line(exc)
+    if isinstance(exc, sa.exc.DBAPIError):  # opening it: a missing database, a bad path
+        return EXIT_DATABASE, "cannot use the database: " + _one_line(exc.orig or exc)
+    raise exc  # a bug of ours: its traceback is what a report needs
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from scheduler_lib.broker.broker import Broker
 from scheduler_lib.broker.exceptions import (
     AlreadyExists,
     BrokerError,
+    CannotConnect,
     ConnectionLost,
     ContractNotFound,
     ContractViolation,
@@ -69,6 +70,7 @@ __all__ = [
     "AlreadyExists",
     "Broker",
     "BrokerError",
+    "CannotConnect",
     "ConnectionLost",
     "ContractNotFound",
     "ContractViolation",

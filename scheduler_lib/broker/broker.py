@@ -598,6 +598,10 @@ def _migrating(engine: sa.Engine, migrations: schema.MigrationSet = schema.BROKE
     try:
         schema.migrate(engine, migrations=migrations)
     except sa.exc.DBAPIError as exc:
+        if exc.statement is None:
+            # Opening the connection failed (no statement ran): an outage to wait out,
+            # or a setting to fix, said at once.
+            raise connections.connect_error(engine, "migrate", exc) from exc
         if engine.dialect.name == "postgresql" and connections.is_lost(exc):
             raise connections.lost("migrate", exc) from exc
         raise

@@ -103,14 +103,37 @@ def lost(what: str, exc: BaseException, *, committing: bool = False) -> exceptio
 
 
 def connect(engine: sa.Engine) -> sa.Connection:
-    """A connection from ``engine``'s pool; a server that refuses it (down, starting up,
-    unreachable) is a :class:`ConnectionLost`, so callers back off and try again."""
+    """A connection from ``engine``'s pool; a server that refuses it for now (down,
+    starting up, unreachable) is a :class:`ConnectionLost`, so callers back off and try
+    again; one that refuses it for good (a wrong password, no such database) is
+    :class:`CannotConnect` at once."""
     try:
         return engine.connect()
     except sa_exc.DBAPIError as exc:
-        if engine.dialect.name == "postgresql":
-            raise lost("connect", exc) from exc
-        raise exceptions.DatabaseError(f"connect: {exc.orig}") from exc
+        raise connect_error(engine, "connect", exc) from exc
+
+
+def connect_error(engine: sa.Engine, what: str, exc: sa_exc.DBAPIError) -> exceptions.DatabaseError:
+    """What a failure to open a connection means: an outage to wait out, or a setting to
+    fix (said in one line, naming the database without its password)."""
+    text = " ".join(str(exc.orig or exc).split())
+    if engine.dialect.name == "postgresql" and not any(p in text for p in PERMANENT):
+        return lost(what, exc)
+    return exceptions.CannotConnect(
+        f"{what}: cannot connect to {engine.url.render_as_string(hide_password=True)}: {text}",
+        hint="check the URL (host, port, database, user, password) and that they exist",
+    )
+
+
+# What a refused connection says when waiting will not help (libpq gives no SQLSTATE).
+PERMANENT = (
+    "does not exist",
+    "authentication failed",
+    "no pg_hba.conf entry",
+    "failed to resolve host",
+    "could not translate host name",
+    "unable to open database file",  # SQLite: no such directory, or not writable
+)
 
 
 class Availability:

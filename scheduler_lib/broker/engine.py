@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import sqlalchemy as sa
@@ -15,6 +16,15 @@ POOL_SIZE = 10  # connections kept per process on PostgreSQL
 POSTGRESQL_CONNECT_TIMEOUT = 10  # seconds one connection attempt may take
 
 
+_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+
+
+def mask_password(text: str) -> str:
+    """``text`` with the password of any URL in it replaced by ``***`` (for a URL that
+    did not parse, and so cannot be rendered without it)."""
+    return _PASSWORD.sub(r"\1***@", text)
+
+
 def normalize_url(url: str | URL) -> URL:
     """Parse a broker URL; ``postgresql://`` means psycopg 3.
 
@@ -25,7 +35,11 @@ def normalize_url(url: str | URL) -> URL:
     try:
         parsed = make_url(url)
     except Exception as exc:
-        raise exceptions.InvalidArgument(f"not a database URL: {url!r} ({exc})") from None
+        shown = mask_password(str(url))
+        raise exceptions.InvalidArgument(
+            f"not a database URL: {shown!r} ({mask_password(str(exc))})",
+            hint="e.g. sqlite:///scheduler_lib.db or postgresql://user:password@host:5432/db",
+        ) from None
     backend = parsed.get_backend_name()
     if backend == "postgresql":
         if parsed.drivername == "postgresql":

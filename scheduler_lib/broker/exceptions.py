@@ -116,3 +116,8 @@ class ConnectionLost(DatabaseError):
 
 class DatabaseUnavailable(DatabaseError):
     """The database could not be reached again within the reconnect deadline."""
+
+
+class CannotConnect(DatabaseError):
+    """The database refused the connection for a reason that waiting will not fix: a
+    wrong password, a role or database that does not exist, an unknown host."""

@@ -865,8 +865,12 @@ class TaskScheduler:
             row = rows[0] if rows else None
             if row is None:
                 raise ServiceNotFound(
-                    f"{service!r} is not a scheduler target service",
-                    hint="scheduler_lib.scheduler.init(broker, targets=[Target(service=...)])",
+                    f"{service!r} is not a scheduler target service on "
+                    f"{self.broker.url.render_as_string(hide_password=True)}",
+                    hint=f"create the scheduler's catalog: scheduler-lib init --db "
+                    f"{self.broker.url.render_as_string(hide_password=True)} (in Python: "
+                    "scheduler_lib.scheduler.init(broker); another target: "
+                    "targets=[Target(service=...)])",
                 )
             allowed = self._kinds[service] = frozenset(row["allowed_kinds"].split(","))
         return allowed

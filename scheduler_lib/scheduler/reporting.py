@@ -16,7 +16,7 @@ from rich.table import Table
 
 from scheduler_lib.broker import Broker, activation
 from scheduler_lib.broker.connections import Availability
-from scheduler_lib.broker.exceptions import InvalidArgument
+from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
 from scheduler_lib.scheduler import catalog
 from scheduler_lib.scheduler.client import Completion, RunReport, TaskScheduler
 from scheduler_lib.scheduler.errors import PlanError, WaveFailed
@@ -24,6 +24,13 @@ from scheduler_lib.scheduler.plan import Plan
 from scheduler_lib.scheduler.semaphores import Semaphores
 
 MONITOR_FRESH = 10.0  # seconds: a queue monitor updated this recently is being served
+READER_WAIT = 15.0  # seconds `run` waits for something to serve its target queue
+READER_POLL = 0.5  # seconds between its looks
+
+
+class NoReaders(BrokerError):
+    """Nothing serves the plan's target queue: no `scheduler-lib serve` or `worker` runs
+    for this database."""
 
 
 class PlanRunner:
@@ -40,8 +47,10 @@ class PlanRunner:
         serve: bool = False,
         serve_skip: Collection[str] = (),
         as_json: bool = False,
+        reader_wait: float | None = READER_WAIT,
     ) -> None:
         self.broker = broker
+        self.reader_wait = reader_wait  # None: wait for ever for the target's readers
         self.serve_skip = serve_skip  # activation procedures --serve leaves to others
         self.plan = plan
         self.policy = policy or plan.policy
@@ -64,11 +73,8 @@ class PlanRunner:
                         f"{self.plan.path}:{line}: wave {w + 1}, task {i}: {exc}"
                     ) from None
         queue = self.scheduler.broker.service(target)["queue_name"]
-        if not self.serve and not _served(self.broker, queue):
-            self.err.print(
-                f"[yellow]nothing seems to serve {queue!r} (no running queue monitor or "
-                "reader): start `scheduler-lib serve` for this database, or pass --serve[/]"
-            )
+        if not self.serve:
+            self._wait_for_readers(queue)
         report: RunReport | None
         error: WaveFailed | None = None
         with self._executors(), self._progress() as advance:
@@ -95,6 +101,36 @@ class PlanRunner:
             if error is not None:
                 self.err.print(f"[red]stopped (fail_fast):[/] {error}")
         return 0 if report.ok else 1
+
+    def _wait_for_readers(self, queue: str) -> None:
+        """Something must serve the target queue: a `scheduler-lib serve` or `worker`
+        for this database. Waits ``reader_wait`` seconds for one (``None``: for ever),
+        then refuses to send anything.
+
+        :raises NoReaders: nothing served it in time
+        """
+        if _served(self.broker, queue):
+            return
+        url = self.broker.url.render_as_string(hide_password=True)
+        how = (
+            f"start `scheduler-lib serve --db {url}` (`scheduler-lib worker --db {url}` for "
+            "Spark tasks), or pass --serve"
+        )
+        wait = "for ever" if self.reader_wait is None else f"up to {self.reader_wait:g} s"
+        self.err.print(
+            f"nothing serves {queue!r} yet: waiting {wait} for a reader ({how})",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+        deadline = None if self.reader_wait is None else time.monotonic() + self.reader_wait
+        while not _served(self.broker, queue):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NoReaders(
+                    f"nothing served {queue!r} within {self.reader_wait:g} s, so nothing "
+                    f"was sent: {how}; --wait-for-readers waits for ever"
+                )
+            time.sleep(READER_POLL)
 
     @contextlib.contextmanager
     def _executors(self) -> Iterator[None]:
@@ -139,7 +175,7 @@ class PlanRunner:
             if self.err.is_terminal:
                 progress.update(bar, description=line)
             else:
-                self.err.print(line, highlight=False, markup=False)
+                self.err.print(line, highlight=False, markup=False, soft_wrap=True)
 
         self.broker.availability.watch(outage)
         with progress:
