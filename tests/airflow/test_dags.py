@@ -185,8 +185,10 @@ def test_ordered_waves_operator_runs_a_plan_as_one_task(
 def test_ordered_waves_operator_fails_fast_and_cancels_the_rest(
     dags: dict[str, Any], broker: Broker
 ) -> None:
-    # Given a wave where the first task fails at once and six others follow it
-    # When it runs (a cold queue: one reader at first, taking tasks in order)
+    # Given a wave where the first task fails at once and six 2 s tasks follow it
+    # When it runs on the target's 4 readers (a wave gets its readers at once: the
+    # failing task and three others start together; the failing task's reader may take
+    # one more before the cancel lands)
     with activation.running(broker):
         run = dags["test_plan_fail_fast"].test()
     # Then the Airflow task failed, the tasks not started were cancelled, and the next
@@ -197,4 +199,4 @@ def test_ordered_waves_operator_fails_fast_and_cancels_the_rest(
     assert "after" not in rows
     others = [rows[f"slow {i}"]["status"] for i in range(6)]
     assert set(others) <= {"CANCELLED", "SUCCEEDED"}, others
-    assert others.count("CANCELLED") >= 4, others
+    assert others.count("SUCCEEDED") <= 4 and others.count("CANCELLED") >= 2, others
