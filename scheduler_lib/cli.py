@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import sqlalchemy as sa
 
@@ -30,6 +31,8 @@ from scheduler_lib.broker import (
 from scheduler_lib.scheduler import reporting
 
 DB_ENV = "SCHEDULER_LIB_DB"  # default for --db
+INT_MAX = 2**31 - 1  # the largest count or limit an argument may give
+ID_MAX = 2**63 - 1  # the largest id (a BIGINT)
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -463,22 +466,34 @@ def _ddl(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str, what: str = "expected an integer >= 1") -> int:
+def _positive_int(text: str, what: str = "", high: int = INT_MAX) -> int:
+    """An integer argument from 1 to ``high`` (a count, a limit, an id), checked as it is
+    parsed: one error line, never a database's overflow."""
     try:
         value = int(text)
-    except ValueError:
+    except ValueError:  # not a number (or thousands of digits)
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
+    if not 1 <= value <= high:
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        what = what or f"expected an integer from 1 to {high}"
+        raise argparse.ArgumentTypeError(f"{what}, got {shown!r}")
     return value
 
 
 def _poison_id(text: str) -> int:
-    return _positive_int(text, "a poison id is a positive integer")
+    return _positive_int(text, f"a poison id is a positive integer up to {ID_MAX}", ID_MAX)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is said as any other error: one line, exit 2 (its subcommands'
+    parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"scheduler-lib: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="scheduler-lib", description=__doc__)
+    parser = _Parser(prog="scheduler-lib", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
         "--verbose", action="store_true", help="show the traceback of an error, not one line"

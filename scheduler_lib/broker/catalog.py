@@ -678,11 +678,7 @@ def _queue_settings(**settings: Any) -> dict[str, Any]:
             raise exceptions.InvalidArgument(
                 f"queue {flag} must be True or False, got {settings[flag]!r}"
             )
-    max_readers = settings["max_readers"]
-    if isinstance(max_readers, bool) or not isinstance(max_readers, int) or max_readers < 0:
-        raise exceptions.InvalidArgument(
-            f"max_queue_readers must be an integer >= 0, got {max_readers!r}"
-        )
+    checks.bounded_int(settings["max_readers"], "max_queue_readers")
     procedure = settings["activation_procedure"]
     if procedure is not None and (not isinstance(procedure, str) or not procedure.strip()):
         raise exceptions.InvalidArgument(

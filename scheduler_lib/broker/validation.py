@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 import uuid
 import xml.etree.ElementTree as ElementTree
 from typing import Any
@@ -12,6 +14,10 @@ from scheduler_lib.broker import exceptions
 from scheduler_lib.broker.models import Validation
 
 NAME_MAX_LENGTH = 128  # characters, SQL Server's sysname
+INT_MAX = 2**31 - 1  # the largest count or id a column holds on every backend (int4)
+# Levels of arrays and objects a JSON body may nest: deeper bodies are refused before they
+# are parsed (a recursive parser would run out of stack on them). serde_json's default.
+MAX_JSON_DEPTH = 128
 
 Body = bytes | bytearray | memoryview | str | None
 
@@ -63,6 +69,20 @@ def positive_int(value: Any, what: str) -> int:
     return value
 
 
+def bounded_int(value: Any, what: str, low: int = 0, high: int = INT_MAX) -> int:
+    """An integer (not a bool) from ``low`` to ``high``, both included."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise exceptions.InvalidArgument(
+            f"{what} must be an integer from {low} to {high}, got {_short(value)}"
+        )
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def body_bytes(body: Body, max_size: int) -> bytes | None:
     """The body as bytes (``str`` is UTF-8), refusing other types and oversized bodies."""
     if body is None:
@@ -105,11 +125,36 @@ def check_body(message_type: str, validation: Validation, body: bytes | None) ->
             ) from None
     elif validation is Validation.JSON:
         try:
-            json.loads(body, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as exc:
+            text = body.decode(json.detect_encoding(body), "surrogatepass")  # as json.loads
+        except UnicodeDecodeError as exc:
             raise exceptions.InvalidMessageBody(
                 f"message type {message_type!r} requires a JSON body: {exc}"
             ) from None
+        if text.count("[") + text.count("{") > MAX_JSON_DEPTH and (
+            json_depth(text) > MAX_JSON_DEPTH
+        ):
+            raise exceptions.InvalidMessageBody(
+                f"message type {message_type!r}: the JSON body nests arrays and objects "
+                f"more than {MAX_JSON_DEPTH} levels deep"
+            )
+        try:
+            json.loads(text, parse_constant=_reject_constant)
+        except ValueError as exc:
+            raise exceptions.InvalidMessageBody(
+                f"message type {message_type!r} requires a JSON body: {exc}"
+            ) from None
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of a JSON text nest, measured without parsing it
+    (so without recursion, whatever the depth): its brackets outside strings, counted."""
+    brackets = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text))
+    steps = (1 if c in "[{" else -1 for c in brackets)
+    return max(itertools.accumulate(steps, initial=0))
 
 
 def _reject_constant(constant: str) -> Any:

@@ -229,6 +229,7 @@ class TaskScheduler:
         :raises InvalidTask: for a malformed task (nothing is sent)
         :raises KindNotAllowed: when the target does not run the task's kind
         """
+        wave = _wave(wave)
         checked = as_task(task)
         self._check_kind(handle.target_service, checked)
         while handle.max_in_flight is not None and handle.in_flight >= handle.max_in_flight:
@@ -247,6 +248,7 @@ class TaskScheduler:
 
         :return: the tasks' ``log_id``s, in order
         """
+        wave = _wave(wave)
         checked = [as_task(t, f"task {i}") for i, t in enumerate(tasks, start=1)]
         for t in checked:
             self._check_kind(handle.target_service, t)
@@ -901,3 +903,8 @@ class TaskScheduler:
 def _key(handle: SchedulerHandle | uuid.UUID | str) -> str:
     """A scheduler's conversation handle as text, from a handle object or the handle."""
     return str(handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle)
+
+
+def _wave(wave: Any) -> int | None:
+    """A task's wave: ``None`` or an integer from 0 to 2**31 - 1 (the log's column)."""
+    return None if wave is None else checks.bounded_int(wave, "wave")

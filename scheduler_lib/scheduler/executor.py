@@ -320,12 +320,17 @@ class Executor:
         )
         result: Any = None
         error: str | None = None
+        interrupted: KeyboardInterrupt | None = None
         with self.broker.keep_alive([lease]) as lost, self._cancels.watching(context):
             try:
                 with self._permit(task):
                     result = get_kind(task.kind).run(task.spec, context)
                 status = SUCCEEDED
-            except Exception as exc:  # errors are results
+            # errors are results, sys.exit() and KeyboardInterrupt too: the task failed,
+            # its caller is told at once, and the reader goes on
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:
+                if isinstance(exc, KeyboardInterrupt) and _in_main_thread():
+                    interrupted = exc  # Ctrl-C: answered, then it stops the process
                 status, error = FAILED, _error(exc, with_traceback=True)
                 if context.cancelled.is_set():  # it stopped because it was told to
                     status = CANCELLED
@@ -362,13 +367,15 @@ class Executor:
                 raise next(iter(lost.values()))
             self._commit_outcome(log_id, commit_outcome)
         except LeaseLost:
-            if self._outcome_recorded(log_id, status):
-                return  # our own commit went through before its connection was lost
-            # It expired meanwhile (the poison policy retried or failed it and told the
+            # Unless our own commit went through before its connection was lost, it
+            # expired meanwhile (the poison policy retried or failed it and told the
             # caller), or its scheduler was released and ended: no second answer. The row
             # still says how this run ended, unless another worker has it by now.
-            log.warning("task %s finished after it lost its lease; no answer sent", log_id)
-            self.broker.run("log_finish", now=ended_at, **finish)
+            if not self._outcome_recorded(log_id, status):
+                log.warning("task %s finished after it lost its lease; no answer sent", log_id)
+                self.broker.run("log_finish", now=ended_at, **finish)
+        if interrupted is not None:
+            raise interrupted
 
     def _commit_outcome(self, log_id: int, commit: Callable[[], None]) -> None:
         """Commit a finished task's outcome (its row's end, its answer, its lease's end:
@@ -630,6 +637,10 @@ def worker_id() -> str:
     return f"{_process_id[1]}:{threading.current_thread().name}"
 
 
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 def _error(exc: BaseException, *, with_traceback: bool = False) -> str:
     text = f"{type(exc).__name__}: {exc}"
     if with_traceback:
@@ -642,7 +653,7 @@ def _result(value: Any) -> str | None:
         return None
     try:
         text = json.dumps(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # not JSON, or nested past reason
         text = json.dumps(repr(value))
     if len(text) > RESULT_LIMIT:  # keep the log row small, and still valid JSON
         text = json.dumps({"truncated": True, "length": len(text), "head": text[:1000]})

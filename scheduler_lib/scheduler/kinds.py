@@ -28,6 +28,10 @@ from scheduler_lib.scheduler.errors import InvalidTask, UnknownKind
 log = logging.getLogger(__name__)
 
 COMMON_FIELDS = ("kind", "name", "semaphore")
+# Levels of lists and objects a task's field (``args``, ``kwargs``...) may nest: deeper
+# ones are refused (a recursive encoder would run out of stack on them). Below the
+# broker's JSON limit (validation.MAX_JSON_DEPTH): the task travels inside a message.
+MAX_TASK_DEPTH = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +108,31 @@ def as_task(task: Task | Mapping[str, Any], where: str = "task") -> Task:
     if kind is not None:
         spec = kind.validate(dict(checked.spec), where)
         checked = dataclasses.replace(checked, spec=spec)
+    for field, value in checked.spec.items():
+        if _nested_deeper(value, MAX_TASK_DEPTH):
+            raise InvalidTask(
+                f"{where}: field {field!r} nests lists and objects more than "
+                f"{MAX_TASK_DEPTH} levels deep"
+            )
     try:
         json.dumps(checked.to_dict())
     except (TypeError, ValueError) as exc:
         raise InvalidTask(f"{where}: a task must be JSON (its arguments too): {exc}") from None
     return checked
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether lists, tuples and dicts nest in ``value`` more than ``limit`` levels deep
+    (walked level by level, without recursion, and no further than the limit)."""
+    containers = [value] if isinstance(value, list | tuple | dict) else []
+    for _ in range(limit):
+        containers = [
+            item
+            for c in containers
+            for item in (c.values() if isinstance(c, dict) else c)
+            if isinstance(item, list | tuple | dict)
+        ]
+    return bool(containers)
 
 
 @dataclasses.dataclass

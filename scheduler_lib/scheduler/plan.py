@@ -13,6 +13,11 @@
 
 A wave is a list of tasks, or ``{name: ..., tasks: [...]}``. Every error names the file,
 the line and the field.
+
+A plan is UTF-8 text of at most 1 MiB (:data:`MAX_PLAN_SIZE`), nested at most 200 levels
+deep (:data:`MAX_PLAN_DEPTH`; a task's ``args`` at most 100, ``kinds.MAX_TASK_DEPTH``);
+it has no YAML aliases (``*name``: each would copy its anchor, so a few lines could
+expand to gigabytes) and no key twice in one mapping.
 """
 
 from __future__ import annotations
@@ -20,16 +25,80 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Hashable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.exceptions import InvalidArgument
 from scheduler_lib.scheduler.client import POLICIES
 from scheduler_lib.scheduler.errors import PlanError
 from scheduler_lib.scheduler.kinds import Task, as_task
 
 TOP_FIELDS = ("target", "policy", "max_in_flight", "timeout", "waves")
+MAX_PLAN_SIZE = 1024 * 1024  # bytes
+MAX_PLAN_DEPTH = 200  # levels of nested lists and mappings
+
+
+class _Refused(yaml.YAMLError):
+    """What the plan's YAML may not do, at a line (said as is, not as invalid YAML)."""
+
+    def __init__(self, message: str, node_or_event: yaml.Node | yaml.Event) -> None:
+        super().__init__(message)
+        self.message = message
+        self.problem_mark = node_or_event.start_mark
+
+
+class _PlanLoader(yaml.SafeLoader):
+    """The safe loader, refusing aliases, duplicate keys and deep nesting (each would
+    otherwise cost gigabytes, silently drop a value, or overflow the stack)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._field: str | None = None  # the key of the innermost mapping composed
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        outer = self._field
+        if isinstance(index, yaml.ScalarNode):  # a mapping's value: its key is the field
+            self._field = index.value
+        field = "" if self._field is None else f"field {self._field!r}: "
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(
+                f"{field}YAML aliases (*{event.anchor}) are not allowed in a plan: "
+                "write the value out",
+                event,
+            )
+        self._depth += 1
+        try:
+            if self._depth > MAX_PLAN_DEPTH:
+                raise _Refused(
+                    f"{field}the plan nests more than {MAX_PLAN_DEPTH} levels deep",
+                    self.peek_event(),
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+            self._field = outer
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # No merge keys (<<): without aliases they have nothing to merge.
+        mapping: dict[Any, Any] = {}
+        first: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                raise _Refused(f"a mapping key must be a plain value, got {key!r}", key_node)
+            if key in mapping:
+                raise _Refused(
+                    f"field {key!r} is given twice (first on line {first[key]})", key_node
+                )
+            first[key] = key_node.start_mark.line + 1
+            mapping[key] = self.construct_object(value_node, deep=deep)
+        return mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,22 +124,47 @@ def load_plan(path: str | Path) -> Plan:
     """
     where = str(path)
     try:
-        text = Path(path).read_text()
+        with Path(path).open("rb") as file:
+            data = file.read(MAX_PLAN_SIZE + 1)
     except OSError as exc:
         raise PlanError(f"{where}: cannot read the plan: {exc.strerror or exc}") from None
+    if len(data) > MAX_PLAN_SIZE:
+        raise PlanError(f"{where}: a plan is at most {MAX_PLAN_SIZE} bytes; this one is larger")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise PlanError(
+            f"{where}:{line}: a plan is UTF-8 text; byte {exc.object[exc.start]:#04x} "
+            f"(offset {exc.start}) is not"
+        ) from None
     return parse_plan(text, where)
 
 
 def parse_plan(text: str, where: str = "<plan>") -> Plan:
     """Check a plan given as YAML text (``where`` names it in errors)."""
+    if len(text) > MAX_PLAN_SIZE:
+        raise PlanError(f"{where}: a plan is at most {MAX_PLAN_SIZE} characters")
+    loader: _PlanLoader | None = None
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        loader = _PlanLoader(text)
+        root = loader.get_single_node()
+        data = None if root is None else loader.construct_document(root)
+    except _Refused as exc:
+        raise PlanError(f"{where}:{exc.problem_mark.line + 1}: {exc.message}") from None
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow
+        line = text.count("\n", 0, exc.position) + 1
+        raise PlanError(
+            f"{where}:{line}: not valid YAML: character U+{exc.character:04X} is not allowed"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
+        at = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise PlanError(f"{where}{line}: not valid YAML: {problem}") from None
+        raise PlanError(f"{where}{at}: not valid YAML: {problem}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
     if root is None or not isinstance(data, dict):
         raise PlanError(
             f"{where}:1: a plan is a mapping with 'waves' (and optional {list(TOP_FIELDS[:-1])})"
@@ -94,11 +188,14 @@ def parse_plan(text: str, where: str = "<plan>") -> Plan:
         raise fail(keys["target"][1], f"field 'target' must name a service, got {target!r}")
     max_in_flight = data.get("max_in_flight")
     if max_in_flight is not None and (
-        isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1
+        isinstance(max_in_flight, bool)
+        or not isinstance(max_in_flight, int)
+        or not 1 <= max_in_flight <= checks.INT_MAX
     ):
         raise fail(
             keys["max_in_flight"][1],
-            f"field 'max_in_flight' must be an integer >= 1, got {max_in_flight!r}",
+            f"field 'max_in_flight' must be an integer from 1 to {checks.INT_MAX}, "
+            f"got {str(max_in_flight)[:40]}",
         )
     timeout = data.get("timeout")
     if timeout is not None and (

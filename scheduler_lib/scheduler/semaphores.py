@@ -54,10 +54,7 @@ class Semaphores:
     def create(self, name: str, permits: int) -> None:
         """Create the semaphore, or set its permits if it exists (idempotent)."""
         name = checks.name(name, "semaphore name")
-        if isinstance(permits, bool) or not isinstance(permits, int) or permits < 1:
-            raise InvalidArgument(
-                f"semaphore {name!r}: permits must be an integer >= 1, got {permits!r}"
-            )
+        permits = checks.bounded_int(permits, f"semaphore {name!r}: permits", 1)
         with self.broker.transaction() as tx:
             if tx.fetch_one("semaphore_get", name=name) is None:
                 tx.run("semaphore_insert", name=name, permits=permits, now=time.time())
