@@ -24,9 +24,10 @@ Each round, in this order:
     the figures below by as much).
 
 Measured from ``back``: the first completion the caller receives (``synchronization``
-returned), and the end of the run; and the run's time lost to the restart beyond the
-outage itself: (restart round - outage) - baseline. Goal (issue 20): first completion
-<= 1 s after the server is back.
+returned), and the end of the run; and what the restart cost the run: restart round -
+baseline (the outage included; tasks go on running while the server is away, so it can
+be less than the outage). Goal (issue 20): first completion <= 1 s after the server is
+back.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def measure(server: PrivatePostgres, side: str, rounds: int, workdir: Path) -> d
             raise RuntimeError(f"{side} died during the run")
     server.drop_database(name)
     base = statistics.median(b["took"] for b in baselines)
-    lost = [(x["took"] - x["outage"]) - base for x in restarts]
+    cost = [x["took"] - base for x in restarts]  # the restart's cost, its outage included
 
     def spread(values: list[float]) -> dict[str, float]:
         return {
@@ -177,7 +178,7 @@ def measure(server: PrivatePostgres, side: str, rounds: int, workdir: Path) -> d
         "outage_s": spread([x["outage"] for x in restarts]),
         "first_completion_after_back_s": spread([x["first_completion"] for x in restarts]),
         "run_end_after_back_s": spread([x["run_end"] for x in restarts]),
-        "lost_beyond_outage_s": spread(lost),
+        "restart_cost_s": spread(cost),
     }
 
 
@@ -199,9 +200,9 @@ def markdown_section(report: dict[str, Any]) -> str:
             ),
             (f"{side}: server back → run end, s", fmt(r["run_end_after_back_s"]), "", ""),
             (
-                f"{side}: run time lost beyond the outage, s "
-                f"(baseline {r['baseline_s']['median']})",
-                fmt(r["lost_beyond_outage_s"]),
+                f"{side}: run with the restart - run without, s "
+                f"(without: {r['baseline_s']['median']})",
+                fmt(r["restart_cost_s"]),
                 "",
                 "",
             ),
