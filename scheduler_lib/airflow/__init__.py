@@ -17,7 +17,7 @@ from scheduler_lib.airflow.operators import (
     OrderedWavesOperator,
     ReleaseSchedulerOperator,
 )
-from scheduler_lib.airflow.sensors import SynchronizationSensor
+from scheduler_lib.airflow.sensors import SynchronizationSensor, WaveTasksFailed
 from scheduler_lib.airflow.task_group import ordered_waves
 from scheduler_lib.airflow.triggers import SynchronizationTrigger
 
@@ -30,6 +30,7 @@ __all__ = [
     "SchedulerLibHook",
     "SynchronizationSensor",
     "SynchronizationTrigger",
+    "WaveTasksFailed",
     "hooks",
     "ordered_waves",
     "provider",

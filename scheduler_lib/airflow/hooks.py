@@ -15,6 +15,7 @@ default true, off for roles without DDL rights)::
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
 import threading
@@ -48,6 +49,34 @@ _brokers_lock = threading.Lock()
 # database is back (see turn()), and whether ready() applied the broker's migrations.
 _states: weakref.WeakKeyDictionary[Broker, _State] = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
+# alembic says "Context impl SQLiteImpl." and "Will assume non-transactional DDL." at INFO
+# each time a broker migrates: noise in a task's log. Its level is raised while the
+# provider migrates (not for good: Airflow's own `airflow db migrate` prints through it).
+ALEMBIC_LOGGER = "alembic"
+_quiet_lock = threading.Lock()
+_quiet_depth = 0
+_quiet_level = logging.NOTSET
+
+
+@contextlib.contextmanager
+def quiet_migrations() -> Iterator[None]:
+    """alembic's INFO lines kept out of the logs while the provider migrates a broker
+    (its level is raised to WARNING, and put back once the last migration ends)."""
+    global _quiet_depth, _quiet_level
+    logger = logging.getLogger(ALEMBIC_LOGGER)
+    with _quiet_lock:
+        if _quiet_depth == 0:
+            _quiet_level = logger.level
+            if logger.getEffectiveLevel() < logging.WARNING:
+                logger.setLevel(logging.WARNING)
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                logger.setLevel(_quiet_level)
 
 
 def broker_url(conn: Any) -> str:
@@ -125,13 +154,15 @@ def shared_broker(
     with _brokers_lock:
         broker = _brokers.get(key)
         if broker is None:
-            broker = _brokers[key] = Broker(
-                url,
-                migrate=migrate,
-                timers=timers,
-                reconnect_timeout=reconnect_timeout,
-                engine_options=_engine_options(url, reconnect_timeout),
-            )
+            with quiet_migrations():
+                broker = Broker(
+                    url,
+                    migrate=migrate,
+                    timers=timers,
+                    reconnect_timeout=reconnect_timeout,
+                    engine_options=_engine_options(url, reconnect_timeout),
+                )
+            _brokers[key] = broker
         return broker
 
 
@@ -194,10 +225,12 @@ def ready(broker: Broker, *, migrate: bool = False) -> None:
     # tells the broker its database is back, which a no-op must not.
     state = _state(broker)
     if migrate and not state.migrated:
-        riding(broker, lambda: broker.apply_migrations(schema.BROKER), "migrate")
+        with quiet_migrations():
+            riding(broker, lambda: broker.apply_migrations(schema.BROKER), "migrate")
         state.migrated = True
     if not state.prepared:
-        riding(broker, lambda: catalog.prepare(broker), "prepare the scheduler's schema")
+        with quiet_migrations():
+            riding(broker, lambda: catalog.prepare(broker), "prepare the scheduler's schema")
         state.prepared = True
 
 
@@ -205,7 +238,8 @@ def open_scheduler(broker: Broker, *, migrate: bool = False, **kwargs: Any) -> T
     """A :class:`TaskScheduler` on ``broker`` (``kwargs`` as it takes them), its schema
     made :func:`ready` first, so that opening it rides through an outage."""
     ready(broker, migrate=migrate)
-    return TaskScheduler(broker, **kwargs)
+    with quiet_migrations():  # TaskScheduler() prepares the scheduler's schema too
+        return TaskScheduler(broker, **kwargs)
 
 
 def is_outage(exc: BaseException) -> bool:

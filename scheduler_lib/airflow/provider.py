@@ -10,7 +10,7 @@ DISTRIBUTION = "scheduler-lib"  # must equal the installed distribution's name (
 
 def get_provider_info() -> dict[str, Any]:
     """The provider's description: hooks, operators, sensors, triggers, the connection
-    type and its form."""
+    type and its form, and its ``[scheduler_lib]`` configuration section."""
     try:
         version = metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:  # run from a source tree that is not installed
@@ -52,6 +52,32 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": ["scheduler_lib.airflow.triggers"],
             }
         ],
+        "config": {
+            "scheduler_lib": {
+                "description": "The scheduler_lib provider: its Execution Status page in "
+                "Airflow's UI (plugins/README.md).",
+                "options": {
+                    "ui_conn_id": {
+                        "description": "The scheduler_lib connection whose broker the "
+                        "Execution Status page shows.\n",
+                        "version_added": None,
+                        "type": "string",
+                        "example": "scheduler_lib_prod",
+                        "default": "scheduler_lib_default",
+                    },
+                    "ui_reconnect_timeout": {
+                        "description": "Seconds a request of the Execution Status page "
+                        "waits for an unavailable broker database before it answers 503 "
+                        "with one line saying why (each connection attempt is bounded "
+                        "too).\n",
+                        "version_added": None,
+                        "type": "float",
+                        "example": "10",
+                        "default": "5",
+                    },
+                },
+            }
+        },
         "connection-types": [
             {
                 "connection-type": "scheduler_lib",

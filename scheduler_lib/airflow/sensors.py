@@ -21,12 +21,30 @@ from collections.abc import Sequence
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator, Context, PokeReturnValue
+from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from scheduler_lib.airflow import hooks, triggers
 from scheduler_lib.scheduler import WaveProgress
+from scheduler_lib.scheduler.client import POLICIES
 
 FAILED_LINES = 20  # failed tasks listed in the sensor's error
+
+
+class WaveTasksFailed(AirflowException):
+    """Tasks of a wave did not succeed: a retry of the Airflow task that sent them
+    (``retries=...``) sends again those that did not succeed."""
+
+
+def default_deferrable() -> bool:
+    """``[operators] default_deferrable`` (as Airflow's own providers read it)."""
+    return conf.getboolean("operators", "default_deferrable", fallback=False)
+
+
+def check_policy(policy: str, where: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"{where}: policy must be one of {POLICIES}, got {policy!r}")
+    return policy
 
 
 class SynchronizationSensor(BaseSensorOperator):
@@ -39,7 +57,11 @@ class SynchronizationSensor(BaseSensorOperator):
     :param scheduler_handle: the scheduler's conversation handle (instead of XCom)
     :param log_ids: the tasks' log ids (instead of XCom)
     :param scheduler_lib_conn_id: the broker's connection
-    :param deferrable: wait in the triggerer (frees the worker slot)
+    :param policy: ``fail_fast`` (default): at the first task that did not succeed,
+        cancel the wave's queued tasks and stop the running ones; ``continue``: let
+        them run. Either way the sensor fails once the wave is done and a task failed
+    :param deferrable: wait in the triggerer (frees the worker slot); default
+        ``[operators] default_deferrable``
     :param trigger_poll_interval: seconds between the trigger's looks
     :return: (XCom) each task's log id, name, status, error and result
     """
@@ -54,7 +76,8 @@ class SynchronizationSensor(BaseSensorOperator):
         scheduler_handle: str | None = None,
         log_ids: Sequence[int] | str | None = None,
         scheduler_lib_conn_id: str = hooks.DEFAULT_CONN_ID,
-        deferrable: bool = False,
+        policy: str = "fail_fast",
+        deferrable: bool | None = None,
         trigger_poll_interval: float = triggers.POLL_INTERVAL,
         poke_interval: float = 2.0,
         **kwargs: Any,
@@ -69,8 +92,10 @@ class SynchronizationSensor(BaseSensorOperator):
         self.scheduler_handle = scheduler_handle
         self.log_ids = log_ids
         self.scheduler_lib_conn_id = scheduler_lib_conn_id
-        self.deferrable = deferrable
+        self.policy = check_policy(policy, self.task_id)
+        self.deferrable = default_deferrable() if deferrable is None else deferrable
         self.trigger_poll_interval = trigger_poll_interval
+        self._stopped: set[str] = set()  # schedulers whose rest this sensor cancelled
 
     def wave(self, context: Context) -> tuple[str, list[int]]:
         """(scheduler handle, log ids) of the wave to wait for."""
@@ -95,7 +120,9 @@ class SynchronizationSensor(BaseSensorOperator):
         if done.is_done:
             return done.xcom_value
         timeout = datetime.timedelta(seconds=self.timeout) if self.timeout else None
-        triggers.defer(self, handle, log_ids, "execute_complete", timeout)
+        triggers.defer(
+            self, handle, log_ids, "execute_complete", timeout, fail_fast=self.policy == "fail_fast"
+        )
 
     def poke(self, context: Context) -> PokeReturnValue:
         handle, log_ids = self.wave(context)
@@ -124,6 +151,13 @@ class SynchronizationSensor(BaseSensorOperator):
     def _look(self, handle: str, log_ids: list[int]) -> PokeReturnValue:
         scheduler = hooks.SchedulerLibHook(self.scheduler_lib_conn_id).get_scheduler()
         progress = scheduler.wave_progress(handle, log_ids)
+        if (
+            self.policy == "fail_fast"
+            and handle not in self._stopped
+            and triggers.stop_the_rest(scheduler, handle, progress, self.log)
+        ):
+            self._stopped.add(handle)
+            progress = scheduler.wave_progress(handle, log_ids)  # the queued ones ended
         if not progress.done:
             if progress.ended_by_target is not None:
                 raise AirflowFailException(triggers.ended_message(handle, progress))
@@ -175,19 +209,23 @@ def outcome(progress: WaveProgress, where: str) -> list[dict[str, Any]]:
     return summaries
 
 
-def event_outcome(event: dict[str, Any], where: str) -> list[dict[str, Any]]:
+def event_outcome(
+    event: dict[str, Any], where: str, *, retryable: bool = False
+) -> list[dict[str, Any]]:
     """What a :class:`SynchronizationTrigger` event means for the deferred task."""
     status = event.get("status")
     if status == triggers.DONE:
-        check(event["tasks"], where)
+        check(event["tasks"], where, retryable=retryable)
         return event["tasks"]
     if status == triggers.TIMEOUT:
         raise AirflowException(f"{where}: {event.get('message')}")
     raise AirflowFailException(f"{where}: {event.get('message')}")
 
 
-def check(summaries: list[dict[str, Any]], where: str) -> None:
-    """Fail (without retries: running the sensor again cannot help) when a task failed."""
+def check(summaries: list[dict[str, Any]], where: str, *, retryable: bool = False) -> None:
+    """Fail when a task failed: without retries for a sensor (looking again cannot
+    help); ``retryable`` for an operator that sent the tasks (its retry sends again
+    those that did not succeed)."""
     failed = [s for s in summaries if s["status"] != "SUCCEEDED"]
     if not failed:
         return
@@ -198,6 +236,7 @@ def check(summaries: list[dict[str, Any]], where: str) -> None:
     ]
     if len(failed) > FAILED_LINES:
         lines.append(f"  ... and {len(failed) - FAILED_LINES} more")
-    raise AirflowFailException(
-        f"{where}: {len(failed)} of {len(summaries)} task(s) did not succeed:\n" + "\n".join(lines)
+    message = f"{where}: {len(failed)} of {len(summaries)} task(s) did not succeed:\n" + "\n".join(
+        lines
     )
+    raise WaveTasksFailed(message) if retryable else AirflowFailException(message)

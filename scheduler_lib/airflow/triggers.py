@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NoReturn
 
@@ -24,7 +25,13 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from scheduler_lib.airflow import hooks
 from scheduler_lib.broker import Broker
-from scheduler_lib.scheduler import Completion, TaskScheduler, TaskState, WaveProgress
+from scheduler_lib.scheduler import (
+    Completion,
+    SchedulerHandle,
+    TaskScheduler,
+    TaskState,
+    WaveProgress,
+)
 
 POLL_INTERVAL = 0.5  # seconds between looks at the wave's rows
 # Seconds one look rides through a database outage before it gives up and the trigger's
@@ -53,6 +60,9 @@ class SynchronizationTrigger(BaseTrigger):
     :param deadline: epoch seconds after which it gives up (``None``: never)
     :param carry: JSON state handed back in every event as ``"carry"`` (what the
         deferring task needs to go on: ``dag.test()`` drops a deferral's kwargs)
+    :param fail_fast: once a task ended without succeeding, cancel the scheduler's
+        queued tasks and ask its running ones to stop (right here in the triggerer, not
+        once the deferred task has resumed); the event still comes when every task ended
     """
 
     def __init__(
@@ -63,9 +73,11 @@ class SynchronizationTrigger(BaseTrigger):
         poll_interval: float = POLL_INTERVAL,
         deadline: float | None = None,
         carry: dict[str, Any] | None = None,
+        fail_fast: bool = False,
     ) -> None:
         super().__init__()
         self.carry = carry
+        self.fail_fast = bool(fail_fast)
         self.scheduler_handle = str(scheduler_handle)
         self.log_ids = [int(i) for i in log_ids]
         self.scheduler_lib_conn_id = scheduler_lib_conn_id
@@ -82,6 +94,7 @@ class SynchronizationTrigger(BaseTrigger):
                 "poll_interval": self.poll_interval,
                 "deadline": self.deadline,
                 "carry": self.carry,
+                "fail_fast": self.fail_fast,
             },
         )
 
@@ -94,12 +107,20 @@ class SynchronizationTrigger(BaseTrigger):
             yield self._event({"status": ERROR, "message": f"{type(exc).__name__}: {exc}"})
             return
         opened: list[TaskScheduler] = []
+        stopped: list[bool] = []
 
         def look() -> WaveProgress:
             if not opened:  # the schema check rides through an outage too
                 opened.append(hooks.open_scheduler(broker, migrate=options["migrate"]))
             scheduler = opened[0]
             progress = scheduler.wave_progress(self.scheduler_handle, self.log_ids)
+            if (
+                self.fail_fast
+                and not stopped
+                and stop_the_rest(scheduler, self.scheduler_handle, progress, self.log)
+            ):
+                stopped.append(True)
+                progress = scheduler.wave_progress(self.scheduler_handle, self.log_ids)
             if progress.done:
                 # The answers were read from the log; their messages go now.
                 scheduler.drain(self.scheduler_handle)
@@ -185,6 +206,8 @@ def defer(
     method_name: str,
     timeout: datetime.timedelta | None,
     carry: dict[str, Any] | None = None,
+    *,
+    fail_fast: bool = False,
 ) -> NoReturn:
     """Hand ``task``'s wait for a wave to the triggerer (raises Airflow's deferral):
     ``method_name`` resumes with the event, ``carry`` rides in it, ``timeout`` bounds the
@@ -198,11 +221,45 @@ def defer(
             poll_interval=task.trigger_poll_interval,
             deadline=time.time() + timeout.total_seconds() if timeout else None,
             carry=carry,
+            fail_fast=fail_fast,
         ),
         method_name=method_name,
         timeout=timeout,
     )
     raise AssertionError(f"{task}.defer() returned instead of raising TaskDeferred")
+
+
+def first_failure(progress: WaveProgress) -> str | None:
+    """The name of a task of the wave that ended without succeeding, if one did."""
+    for task in progress.tasks:
+        if task.ended and task.status != "SUCCEEDED":
+            return task.task_name or str(task.log_id)
+    return None
+
+
+def stop_the_rest(
+    scheduler: TaskScheduler, handle: SchedulerHandle | str, progress: WaveProgress, log: Any
+) -> bool:
+    """``fail_fast``: once a task of the wave failed while others are pending, cancel
+    the scheduler's queued tasks and ask the running ones to stop (they answer
+    ``CANCELLED``); whether it did."""
+    failed = first_failure(progress)
+    if failed is None or progress.done:
+        return False
+    if not isinstance(handle, SchedulerHandle):
+        handle = SchedulerHandle(uuid.UUID(str(handle)), "")
+    cancelled, stopping = scheduler.cancel(
+        handle, f"cancelled: task {failed} of the wave failed (fail_fast)"
+    )
+    log.warning(
+        "wave of scheduler %s: %s did not succeed; fail_fast: %d queued task(s) cancelled, "
+        "%d running asked to stop",
+        handle,
+        failed,
+        cancelled,
+        stopping,
+    )
+    return True
 
 
 def ended_message(scheduler_handle: str, progress: WaveProgress) -> str:

@@ -36,6 +36,7 @@ from scheduler_lib.airflow import (
     hooks,
     ordered_waves,
     provider,
+    sensors,
     triggers,
 )
 from scheduler_lib.broker import Broker, activation
@@ -348,8 +349,10 @@ def test_tasks_are_templated_and_carry_the_airflow_ids(broker: Broker) -> None:
 def test_a_wave_with_an_unknown_kind_sends_nothing(broker: Broker) -> None:
     got = GetSchedulerOperator(task_id="get_scheduler").execute(context())
     op = ExecAsyncOperator(task_id="w", tasks=[*sleeps(0), {"kind": "cobol", "src": "x"}])
-    with pytest.raises(UnknownKind, match="unknown task kind 'cobol'"):
+    # ... and fails for good (a retry cannot fix a task's shape)
+    with pytest.raises(AirflowFailException, match="unknown task kind 'cobol'") as failed:
         op.execute(context(get_scheduler=got))
+    assert isinstance(failed.value.__cause__, UnknownKind)
     assert TaskScheduler(broker).log(got["scheduler_handle"]) == []
 
 
@@ -457,7 +460,8 @@ def test_a_wave_that_waits_fails_with_its_tasks_errors(broker: Broker) -> None:
     )
     with (
         activation.running(broker),
-        pytest.raises(AirflowFailException, match=r"wave_1: 1 of 2 task\(s\) did not succeed"),
+        # retryable: a retry sends the failed task again
+        pytest.raises(sensors.WaveTasksFailed, match=r"wave_1: 1 of 2 task\(s\) did not succeed"),
     ):
         wave.execute(context(get_scheduler=got))
     with pytest.raises(ValueError, match="deferrable=True waits, so it needs wait=True"):
