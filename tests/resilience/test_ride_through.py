@@ -107,7 +107,7 @@ def test_a_server_away_past_the_deadline_is_one_clear_error(
     finally:
         private_postgres.start()
         broker.close()
-    # And the command line says it in one line, exit 2, no traceback, no password
+    # And the command line says it in one line, exit 3, no traceback, no password
     private_postgres.stop()
     try:
         result = subprocess.run(
@@ -118,7 +118,7 @@ def test_a_server_away_past_the_deadline_is_one_clear_error(
         )
     finally:
         private_postgres.start()
-    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.returncode == 3, result.stdout + result.stderr  # could not reach the database
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("scheduler-lib: error: "), result.stderr
     assert "unavailable" in lines[0] and "s3cret-pass" not in result.stderr
