@@ -602,6 +602,12 @@ class PoisonOperations:
                 raise _lost(lease)
             return _fail_leased(tx, row, "FAILED", _error_text(error))
 
+    def holds(self, lease: Lease) -> bool:
+        """Whether the lease still exists (not expired, completed, abandoned — nor undone
+        by a server crash, for a take that committed without the WAL flush)."""
+        with self._operation() as tx:
+            return tx._one("lease_get", lease_id=lease.lease_id) is not None
+
     def release(self, lease: Lease) -> None:
         """Give the message back untouched: the work never began (its start could not
         be recorded). Not a failure — nothing is counted; it is next on its queue.

@@ -252,6 +252,7 @@ class Executor:
             origin = Origin(origin.log_id, time.time(), application, job_group)
         started = self.broker.run(
             "log_start",
+            lease_id=lease.lease_id,
             log_id=log_id,
             worker=self.worker(),
             activated_task_id=activation.current_reader(),
@@ -260,6 +261,11 @@ class Executor:
             ui_url=ui_url,
             now=time.time(),
         )
+        if not started and not self.broker.holds(lease):
+            # A server crash undid our take (it committed without the WAL flush): the
+            # message is back on its queue for a reader to take again. Nothing ran here.
+            log.warning("task %s: its take was undone by a database crash; not run here", log_id)
+            return None
         if not started:
             # Cancelled (fail fast, release) before it started: say so, run nothing.
             with self.broker.transaction() as tx:

@@ -58,7 +58,10 @@ AND (end_time IS NULL OR (status = 'CANCELLED' AND worker_id IS NULL));
 
 -- name: log_start
 -- The executor starts the task (or, after its worker died, starts it again): who and
--- when. No row changed: the task was cancelled (or already ended) meanwhile.
+-- when — only while it holds the task's lease: a take committed without the WAL flush
+-- is undone by a server crash before this durable commit (the message is back on its
+-- queue, for another reader), and must not run here too. No row changed: the task was
+-- cancelled (or already ended) meanwhile, or the lease is gone.
 -- Where it will run on Spark, when the worker knows it already (saves a statement).
 UPDATE execution_log
 SET status = 'RUNNING', start_time = :now, worker_id = :worker,
@@ -69,7 +72,8 @@ SET status = 'RUNNING', start_time = :now, worker_id = :worker,
     END,
     spark_application_id = :application_id, spark_job_group = :job_group,
     spark_ui_url = :ui_url
-WHERE log_id = :log_id AND status IN ('QUEUED', 'RUNNING');
+WHERE log_id = :log_id AND status IN ('QUEUED', 'RUNNING')
+AND EXISTS (SELECT 1 FROM message_leases WHERE lease_id = :lease_id);
 
 -- name: log_spark
 -- The Spark application, its UI and the job group a task runs in.
