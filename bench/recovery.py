@@ -96,7 +96,7 @@ def _round(scheduler: TaskScheduler, server: PrivatePostgres | None) -> dict[str
         if not completion.ok:
             raise RuntimeError(f"a task failed: {completion.error}")
         seen.append((wave, time.time()))
-        if sum(1 for w, _ in seen if w == 0) == TASKS:
+        if sum(1 for w, _ in seen if w == 1) == TASKS:  # waves are numbered from 1
             first_wave_done.set()
 
     result: dict[str, Any] = {}

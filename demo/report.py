@@ -65,7 +65,7 @@ class LiveProgress:
     def __enter__(self) -> LiveProgress:
         self.started = time.monotonic()
         self.progress.start()
-        self._announce(0)
+        self._announce(1)
         return self
 
     def __exit__(
@@ -77,30 +77,30 @@ class LiveProgress:
         self.progress.stop()
 
     def on_completion(self, wave: int, completion: Completion) -> None:
-        """``run_waves``' callback: ``wave`` is 0-based."""
+        """``run_waves``' callback: ``wave`` is the wave's number (the first is 1)."""
         run = None if completion.log_id is None else runs.fetch_one(self.broker, completion.log_id)
         seconds = "" if run is None or run.seconds is None else f"{run.seconds:6.2f} s"
         style = STYLES.get(completion.status, "white")
         name = escape(completion.task_name or str(completion.log_id))
         self._say(
-            f"  wave {wave + 1}  {name:<22} [{style}]{completion.status:<9}[/] {seconds}"
+            f"  wave {wave}  {name:<22} [{style}]{completion.status:<9}[/] {seconds}"
             + (f"  [red]{_first_line(completion.error)}[/]" if completion.error else "")
         )
-        self.done[wave] += 1
+        names = self.names[wave - 1]
+        self.done[wave - 1] += 1
         self.failed = self.failed or not completion.ok
         self.progress.advance(self.bar)
         # After a failure nothing more is sent (fail fast): no next wave to announce.
-        last = self.done[wave] == len(self.names[wave])
-        if last and not self.failed and wave + 1 < len(self.names):
+        last = self.done[wave - 1] == len(names)
+        if last and not self.failed and wave < len(self.names):
             self._announce(wave + 1)
 
     def _announce(self, wave: int) -> None:
+        """Say that wave number ``wave`` (from 1) is sent."""
         count = len(self.names)
-        self.progress.update(self.bar, description=f"wave {wave + 1}/{count}")
-        self._say(
-            f"[bold]wave {wave + 1}/{count}[/]: {len(self.names[wave])} task(s) — "
-            + ", ".join(self.names[wave])
-        )
+        names = self.names[wave - 1]
+        self.progress.update(self.bar, description=f"wave {wave}/{count}")
+        self._say(f"[bold]wave {wave}/{count}[/]: {len(names)} task(s) — " + ", ".join(names))
 
     def _say(self, text: str) -> None:
         self.out.print(f"[dim]{time.monotonic() - self.started:6.1f} s[/] {text}")

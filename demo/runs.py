@@ -15,7 +15,7 @@ from scheduler_lib.broker import Broker
 class TaskRun:
     """One row of ``execution_log``, with the worker id taken apart.
 
-    ``wave`` is 1-based here (the log counts from 0). ``worker_id`` is
+    ``wave`` is the wave's number, the first being 1 (as in the log). ``worker_id`` is
     ``host:pid:reader-thread:spark-application``; a task that never started has none.
     """
 
@@ -34,7 +34,7 @@ class TaskRun:
         started = bool(row["attempts"])  # until it starts, start_time is the send time
         return cls(
             log_id=int(row["log_id"]),
-            wave=int(row["wave"]) + 1,
+            wave=int(row["wave"]),
             task_name=str(row["task_name"]),
             status=str(row["status"]),
             worker_id=row["worker_id"] if started else None,

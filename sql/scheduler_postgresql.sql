@@ -115,5 +115,11 @@ CREATE UNIQUE INDEX ix_execution_log_origin ON execution_log (scheduler_handle, 
 
 UPDATE scheduler_alembic_version SET version_num='s0004' WHERE scheduler_alembic_version.version_num = 's0003';
 
+-- Running upgrade s0004 -> s0005
+
+UPDATE execution_log SET wave = wave + 1 WHERE wave IS NOT NULL;
+
+UPDATE scheduler_alembic_version SET version_num='s0005' WHERE scheduler_alembic_version.version_num = 's0004';
+
 COMMIT;
 

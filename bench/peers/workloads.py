@@ -570,7 +570,7 @@ PRELOAD_SQL = {
             task_name, task_kind, task_body, worker_id, sent_at, start_time, end_time,
             status, result, attempts)
         SELECT 'bench-host:1:MainThread', md5((g / 250)::text)::uuid::text,
-            'ServiceAsyncTarget', (g / 50) %% 5, 'no-op', 'python', %(task)s,
+            'ServiceAsyncTarget', (g / 50) %% 5 + 1, 'no-op', 'python', %(task)s,
             'bench-host:2:reader-' || (g %% 4), t, t + 0.002, t + 0.003, 'SUCCEEDED', '1', 1
         FROM generate_series(1, %(n)s) g,
             LATERAL (SELECT extract(epoch FROM now()) - 86400 + g * 0.01 AS t) x""",

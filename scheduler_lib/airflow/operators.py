@@ -171,7 +171,7 @@ def row_line(row: Mapping[str, Any], note: str = "") -> str:
     """One task for the Airflow task's log: name, log id, status, duration, worker."""
     start, end = row.get("start_time"), row.get("end_time")
     took = f"{end - start:.2f} s" if start is not None and end is not None else "-"
-    wave = f"wave {row['wave'] + 1}: " if row.get("wave") is not None else ""
+    wave = f"wave {row['wave']}: " if row.get("wave") is not None else ""
     return (
         f"  {wave}{row['task_name']} (log id {row['log_id']}): {row['status']} in {took} "
         f"on {row.get('worker_id') or '-'}{note}"
@@ -248,7 +248,8 @@ class ExecAsyncOperator(BaseOperator):
     :param tasks: the wave's tasks
     :param scheduler_task_id: the ``GetSchedulerOperator`` whose handle to use
     :param scheduler_handle: a handle given directly instead (templated)
-    :param wave: the wave's number as people read it (from 1), kept in the log
+    :param wave: the wave's number (the first is 1), kept as it is in
+        ``execution_log.wave``
     :param wait: wait until the wave has completed, and fail (retryably, with the tasks'
         errors) when a task did not succeed
     :param policy: with ``wait``: ``fail_fast`` (default) — at the first task that did
@@ -308,9 +309,6 @@ class ExecAsyncOperator(BaseOperator):
         self.scheduler_lib_conn_id = scheduler_lib_conn_id
         self._sent: tuple[TaskScheduler, SchedulerHandle] | None = None
 
-    def _index(self) -> int | None:
-        return None if self.wave is None else self.wave - 1  # the log counts from 0
-
     def _earlier(
         self, scheduler: TaskScheduler, context: Context, key: str
     ) -> list[Mapping[str, Any]]:
@@ -318,7 +316,7 @@ class ExecAsyncOperator(BaseOperator):
         if not self.retry_failed_only or try_number(context) <= 1:
             return []
         rows = earlier_successes(scheduler, context, [key])
-        return [r for r in rows if r["wave"] == self._index()]
+        return [r for r in rows if r["wave"] == self.wave]
 
     def execute(self, context: Context) -> dict[str, Any]:
         with no_retry(self.task_id):
@@ -343,7 +341,7 @@ class ExecAsyncOperator(BaseOperator):
                 len(done),
                 ", ".join(f"{r['task_name']} (log id {r['log_id']})" for r in done),
             )
-        log_ids = scheduler.exec_many(handle, tasks, wave=self._index())
+        log_ids = scheduler.exec_many(handle, tasks, wave=self.wave)
         self.log.info("sent %d task(s) on scheduler %s: log ids %s", len(log_ids), key, log_ids)
         sent = {"scheduler_handle": key, "log_ids": log_ids, "wave": self.wave}
         if not self.wait:
@@ -534,26 +532,27 @@ class OrderedWavesOperator(BaseOperator):
         return hook.get_scheduler(airflow_ids(context), target=self.target_service or None)
 
     def _earlier(
-        self, scheduler: TaskScheduler, context: Context, index: int | None = None
+        self, scheduler: TaskScheduler, context: Context, number: int | None = None
     ) -> list[Mapping[str, Any]]:
-        """Tasks (of wave ``index``, or of every wave) that succeeded in an earlier try
-        of this task instance, on whichever scheduler that try had."""
+        """Tasks (of wave ``number``, the first being 1, or of every wave) that succeeded
+        in an earlier try of this task instance, on whichever scheduler that try had."""
         if not self.retry_failed_only or try_number(context) <= 1:
             return []
         rows = earlier_successes(scheduler, context)
-        return [r for r in rows if index is None or r["wave"] == index]
+        return [r for r in rows if number is None or r["wave"] == number]
 
     def _still_to_run(
-        self, scheduler: TaskScheduler, context: Context, index: int, wave: list[dict[str, Any]]
+        self, scheduler: TaskScheduler, context: Context, number: int, wave: list[dict[str, Any]]
     ) -> tuple[list[dict[str, Any]], list[Mapping[str, Any]]]:
-        """Wave ``index``: (its tasks to send, the rows of those an earlier try ran)."""
-        send, done = skip_succeeded(wave, self._earlier(scheduler, context, index))
+        """Wave ``number`` (from 1): (its tasks to send, the rows of those an earlier try
+        ran)."""
+        send, done = skip_succeeded(wave, self._earlier(scheduler, context, number))
         if done:
             self.log.info(
                 "try %d, wave %d/%d: %d task(s) succeeded in an earlier try and are not sent "
                 "again: %s",
                 try_number(context),
-                index + 1,
+                number,
                 len(self.waves),
                 len(done),
                 ", ".join(f"{r['task_name']} (log id {r['log_id']})" for r in done),
@@ -570,7 +569,10 @@ class OrderedWavesOperator(BaseOperator):
             handle = scheduler.get_scheduler()
             self.log.info("scheduler %s to %s", handle, handle.target_service)
             return self._from_wave(context, scheduler, str(handle), 0, [])
-        plan = [self._still_to_run(scheduler, context, i, w) for i, w in enumerate(self.waves)]
+        plan = [
+            self._still_to_run(scheduler, context, number, w)
+            for number, w in enumerate(self.waves, start=1)
+        ]
         waves = [send for send, _ in plan]  # a wave left empty keeps its place (and number)
         earlier = [done for _, done in plan]
         total = sum(len(w) for w in waves)
@@ -584,7 +586,7 @@ class OrderedWavesOperator(BaseOperator):
             done += 1
             self.log.info(
                 "wave %d/%d: %s %s (%d/%d)",
-                wave + 1,
+                wave,
                 len(self.waves),
                 completion.task_name or completion.log_id,
                 completion.status,
@@ -645,11 +647,14 @@ class OrderedWavesOperator(BaseOperator):
         outcomes: list[list[dict[str, Any]]],
     ) -> dict[str, Any]:
         handle = scheduler.attach(key)
+        # ``index`` and ``i`` are positions in ``self.waves`` (what a deferral carries);
+        # the log and the task's messages get the wave's number, ``i + 1``.
         for i in range(index, len(self.waves)):
-            wave, done = self._still_to_run(scheduler, context, i, self.waves[i])
+            number = i + 1
+            wave, done = self._still_to_run(scheduler, context, number, self.waves[i])
             before = [{k: v for k, v in row_summary(r).items() if k != "result"} for r in done]
-            log_ids = scheduler.exec_many(handle, wave, wave=i)
-            self.log.info("wave %d/%d sent: log ids %s", i + 1, len(self.waves), log_ids)
+            log_ids = scheduler.exec_many(handle, wave, wave=number)
+            self.log.info("wave %d/%d sent: log ids %s", number, len(self.waves), log_ids)
             progress = _wait_in_place(
                 self,
                 scheduler,

@@ -62,7 +62,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response, s
 from fastapi.responses import HTMLResponse
 
 from scheduler_lib.airflow import hooks
-from scheduler_lib.broker import Broker
+from scheduler_lib.broker import Broker, engine
 from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
 from scheduler_lib.scheduler import monitor
 
@@ -130,15 +130,26 @@ def get_broker() -> Broker:
     name = conn_id()
     try:
         conn = Connection.get_connection_from_secrets(name)
-        url, options = hooks.broker_url(conn), hooks.connection_options(conn)
     except AirflowNotFoundException:
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE,
             f"connection {name!r} is not defined: add a scheduler_lib connection holding "
             "the broker's SQLAlchemy URL (or set [scheduler_lib] ui_conn_id)",
         ) from None
+    try:
+        url, options = hooks.broker_url(conn), hooks.connection_options(conn)
     except InvalidArgument as exc:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
+        # It quotes the host: the URL, password included.
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, _without_passwords(str(exc), conn)
+        ) from None
+    except ValueError as exc:
+        # A URL that only fails as it is parsed further (a port that is not a number).
+        shown = f"{(conn.host or '').strip()!r} is not a usable SQLAlchemy URL ({exc})"
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            _without_passwords(f"connection {name!r}: host {shown}", conn),
+        ) from None
     try:
         # The page only reads: no timer thread (it would write, and the connection may
         # use a role that can only SELECT). Opened without migrating, so that opening it
@@ -149,7 +160,8 @@ def get_broker() -> Broker:
         )
     except BrokerError as exc:
         raise HTTPException(
-            status.HTTP_503_SERVICE_UNAVAILABLE, f"connection {name!r}: {exc}"
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            _without_passwords(f"connection {name!r}: {exc}", conn),
         ) from None
     with database(broker):
         hooks.ready(broker, migrate=options["migrate"])
@@ -184,6 +196,21 @@ def database(broker: Broker) -> Iterator[None]:
                     status.HTTP_503_SERVICE_UNAVAILABLE, _database_error(broker, exc)
                 ) from None
             raise
+
+
+def _without_passwords(text: str, conn: Connection) -> str:
+    """``text`` about ``conn`` with its password hidden: in any URL (``engine.mask_password``)
+    and wherever else it appears — a host without a scheme (``alice:pw@host/db``) is no URL
+    to the mask, and the connection's password field may be quoted on its own."""
+    text = engine.mask_password(text)
+    host = (conn.host or "").strip()
+    # The userinfo of the host, read leniently (the host did not parse): what precedes the
+    # last '@', after the scheme; the password follows its first ':'.
+    userinfo = host.split("://", 1)[-1].rpartition("@")[0]
+    for secret in (conn.password, userinfo.partition(":")[2]):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 def _unavailable(broker: Broker, exc: BaseException | None = None) -> str:

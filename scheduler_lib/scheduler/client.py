@@ -142,7 +142,10 @@ class WaveProgress:
 
 @dataclasses.dataclass
 class WaveReport:
-    index: int
+    """One wave of :meth:`TaskScheduler.run_waves`: its number (the first wave is 1, as in
+    ``execution_log.wave``), the completions it received, the tasks it did not send."""
+
+    number: int
     completions: list[Completion]
     not_sent: list[Task]
 
@@ -225,7 +228,10 @@ class TaskScheduler:
     ) -> int:
         """ExecAsync: log the task and send it, in one transaction.
 
+        :param wave: the wave's number for ``execution_log.wave``: the first wave is 1
+            (1 to 2**31 - 1), ``None`` for a task outside any wave
         :return: the task's ``log_id``
+        :raises InvalidArgument: for a wave that is not an integer from 1 to 2**31 - 1
         :raises InvalidTask: for a malformed task (nothing is sent)
         :raises KindNotAllowed: when the target does not run the task's kind
         """
@@ -246,6 +252,7 @@ class TaskScheduler:
         """ExecAsync for several tasks in one transaction (one commit): all are sent or
         none. Beyond ``max_in_flight`` it raises instead of waiting.
 
+        :param wave: the wave's number, as for :meth:`exec_async` (the first wave is 1)
         :return: the tasks' ``log_id``s, in order
         """
         wave = _wave(wave)
@@ -609,7 +616,8 @@ class TaskScheduler:
             wave and report (``RunReport.ok``)
         :param max_in_flight: at most this many tasks sent and not completed at once
         :param timeout: seconds to wait for any one completion
-        :param on_completion: called with (wave index, completion) as each arrives
+        :param on_completion: called with (wave number, completion) as each arrives; the
+            first wave is 1, as in ``execution_log.wave``
         :param on_start: called with the scheduler once it exists, so another thread can
             :meth:`cancel` it (e.g. an Airflow ``on_kill``); the cancelled tasks answer,
             and the waves end and release it here (releasing it from that thread would
@@ -634,11 +642,11 @@ class TaskScheduler:
             if on_start is not None:
                 on_start(handle)
             stopped = False
-            for index, tasks in enumerate(checked):
+            for number, tasks in enumerate(checked, start=1):
                 if stopped:
-                    reports.append(WaveReport(index, [], list(tasks)))
+                    reports.append(WaveReport(number, [], list(tasks)))
                     continue
-                report = self._run_wave(handle, index, tasks, policy, timeout, on_completion)
+                report = self._run_wave(handle, number, tasks, policy, timeout, on_completion)
                 reports.append(report)
                 stopped = policy == "fail_fast" and any(not c.ok for c in report.completions)
         result = RunReport(handle.conversation_handle, reports, started, time.time())
@@ -662,7 +670,7 @@ class TaskScheduler:
     def _run_wave(
         self,
         handle: SchedulerHandle,
-        index: int,
+        number: int,
         tasks: list[Task],
         policy: str,
         timeout: float | None,
@@ -678,7 +686,7 @@ class TaskScheduler:
             if pending and not stop and room:
                 # What may go now goes in one transaction: one commit, not one per task.
                 batch = [pending.popleft() for _ in range(min(room, len(pending)))]
-                self._send(handle, batch, index)
+                self._send(handle, batch, number)
                 outstanding += len(batch)
             if not outstanding:
                 break
@@ -686,7 +694,7 @@ class TaskScheduler:
             outstanding -= 1
             completions.append(completion)
             if on_completion is not None:
-                on_completion(index, completion)
+                on_completion(number, completion)
             if not completion.ok and policy == "fail_fast" and not stop:
                 stop = True
                 cancelled, stopping = self.cancel(
@@ -695,13 +703,13 @@ class TaskScheduler:
                 log.warning(
                     "wave %s: %s failed; %s queued task(s) cancelled, %s running asked to "
                     "stop, %s not sent",
-                    index + 1,  # waves are numbered from 1 wherever people read them
+                    number,
                     completion.task_name or completion.log_id,
                     cancelled,
                     stopping,
                     len(pending),
                 )
-        return WaveReport(index, completions, list(pending) if stop else [])
+        return WaveReport(number, completions, list(pending) if stop else [])
 
     # --- internals -------------------------------------------------------------------
 
@@ -906,5 +914,6 @@ def _key(handle: SchedulerHandle | uuid.UUID | str) -> str:
 
 
 def _wave(wave: Any) -> int | None:
-    """A task's wave: ``None`` or an integer from 0 to 2**31 - 1 (the log's column)."""
-    return None if wave is None else checks.bounded_int(wave, "wave")
+    """A task's wave number: ``None`` or an integer from 1 (the first wave) to 2**31 - 1
+    (the log's column)."""
+    return None if wave is None else checks.bounded_int(wave, "wave", low=1)

@@ -64,14 +64,14 @@ class PlanRunner:
 
     def run(self) -> int:
         target = self.scheduler.target
-        for w, (tasks, lines) in enumerate(zip(self.plan.waves, self.plan.lines, strict=True)):
+        for w, (tasks, lines) in enumerate(
+            zip(self.plan.waves, self.plan.lines, strict=True), start=1
+        ):
             for i, (task, line) in enumerate(zip(tasks, lines, strict=True), start=1):
                 try:
                     self.scheduler.check_task(task)
                 except InvalidArgument as exc:
-                    raise PlanError(
-                        f"{self.plan.path}:{line}: wave {w + 1}, task {i}: {exc}"
-                    ) from None
+                    raise PlanError(f"{self.plan.path}:{line}: wave {w}, task {i}: {exc}") from None
         queue = self.scheduler.broker.service(target)["queue_name"]
         if not self.serve:
             self._wait_for_readers(queue)
@@ -157,11 +157,11 @@ class PlanRunner:
         bar = progress.add_task(f"wave 1/{waves}", total=total)
         done: dict[int, int] = {}
 
-        def advance(wave: int, completion: Completion) -> None:
+        def advance(wave: int, completion: Completion) -> None:  # wave: from 1
             done[wave] = done.get(wave, 0) + 1
-            progress.update(bar, advance=1, description=f"wave {wave + 1}/{waves}")
-            if not self.err.is_terminal and done[wave] == len(self.plan.waves[wave]):
-                self.err.print(f"wave {wave + 1}/{waves} done", highlight=False)
+            progress.update(bar, advance=1, description=f"wave {wave}/{waves}")
+            if not self.err.is_terminal and done[wave] == len(self.plan.waves[wave - 1]):
+                self.err.print(f"wave {wave}/{waves} done", highlight=False)
 
         def outage(availability: Availability) -> None:
             # An outage is progress news, not an error: the run goes on when it ends.
@@ -223,14 +223,15 @@ def _summary(rows: Sequence[Mapping[str, Any]], plan: Plan) -> Table:
     styles = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}
     for r in rows:
         wave = r["wave"]
-        name = plan.wave_names[wave] if wave is not None and wave < len(plan.wave_names) else None
+        known = wave is not None and 1 <= wave <= len(plan.wave_names)
+        name = plan.wave_names[wave - 1] if known else None
         seconds = (
             f"{r['end_time'] - r['start_time']:.2f}"
             if r["end_time"] is not None and r["attempts"]
             else "-"
         )
         table.add_row(
-            "-" if wave is None else f"{wave + 1}" + (f" {name}" if name else ""),
+            "-" if wave is None else f"{wave}" + (f" {name}" if name else ""),
             str(r["log_id"]),
             r["task_name"],
             f"[{styles.get(r['status'], 'white')}]{r['status']}[/]",
@@ -334,7 +335,7 @@ def print_status(broker: Broker, *, limit: int = 20, as_json: bool = False) -> N
         log.add_row(
             str(r["log_id"]),
             str(r["scheduler_handle"])[:8],
-            "-" if r["wave"] is None else str(r["wave"] + 1),
+            "-" if r["wave"] is None else str(r["wave"]),
             r["task_name"],
             r["status"],
             r["worker_id"] or "-",

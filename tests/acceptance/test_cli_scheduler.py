@@ -73,7 +73,7 @@ def test_run_reports_as_json(initialised: str, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["ok"] is True
-    assert [t["wave"] for t in report["tasks"]] == [0, 0, 1]
+    assert [t["wave"] for t in report["tasks"]] == [1, 1, 2]  # the first wave is 1
 
 
 def test_a_failing_plan_exits_non_zero_and_says_what_failed(

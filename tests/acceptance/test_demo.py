@@ -64,7 +64,7 @@ def test_the_demo_runs_the_blogs_waves_on_a_spark_worker(tmp_path: Path) -> None
         ).fetchall()
     assert len(rows) == sum(WAVES)
     assert {r["status"] for r in rows} == {"SUCCEEDED"}, [dict(r) for r in rows]
-    waves = [[r for r in rows if r["wave"] == w] for w in range(len(WAVES))]
+    waves = [[r for r in rows if r["wave"] == w] for w in range(1, len(WAVES) + 1)]
     assert [len(w) for w in waves] == WAVES
     for earlier, later in itertools.pairwise(waves):
         assert min(r["start_time"] for r in later) >= max(r["end_time"] for r in earlier)

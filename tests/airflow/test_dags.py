@@ -64,14 +64,14 @@ def test_example_dags_run_on_a_spark_worker(
         # Then it succeeded, and each of its waves ran after the one before
         assert run.state == "success", states(run)
         rows = sorted(log_rows(broker, run.run_id), key=lambda r: r["log_id"])
-        assert [r["wave"] for r in rows] == [0, 0, 0, 0, 1, 1, 2, 3, 3, 4]
+        assert [r["wave"] for r in rows] == [1, 1, 1, 1, 2, 2, 3, 4, 4, 5]
         assert {r["status"] for r in rows} == {"SUCCEEDED"}
         assert {r["dag_id"] for r in rows} == {"scheduler_lib_blog_waves"}
         assert [r["task_id"] for r in rows][:5] == ["exec_async_1"] * 4 + ["exec_async_2"]
-        for wave in range(1, 5):
+        for wave in range(2, 6):
             ended = max(r["end_time"] for r in rows if r["wave"] == wave - 1)
             started = min(r["start_time"] for r in rows if r["wave"] == wave)
-            assert started >= ended, f"wave {wave + 1} started before wave {wave} ended"
+            assert started >= ended, f"wave {wave} started before wave {wave - 1} ended"
         # ... on the Spark worker (its worker id names the application)
         assert all(r["worker_id"].rsplit(":", 1)[1].startswith("local-") for r in rows)
         assert released(broker, rows[0]["scheduler_handle"])
@@ -171,7 +171,7 @@ def test_ordered_waves_operator_runs_a_plan_as_one_task(
     # Then one Airflow task ran every wave in order on one scheduler, and released it
     assert run.state == "success", states(run)
     rows = sorted(log_rows(broker, run.run_id), key=lambda r: r["log_id"])
-    assert [r["wave"] for r in rows] == [0, 0, 0, 1, 2]
+    assert [r["wave"] for r in rows] == [1, 1, 1, 2, 3]
     assert {r["status"] for r in rows} == {"SUCCEEDED"}
     assert {r["task_id"] for r in rows} == {"plan"}
     assert len({r["scheduler_handle"] for r in rows}) == 1

@@ -342,7 +342,7 @@ def test_tasks_are_templated_and_carry_the_airflow_ids(broker: Broker) -> None:
     got = GetSchedulerOperator(task_id="get_scheduler").execute(context())
     sent = op.execute(context(get_scheduler=got))
     [row] = TaskScheduler(broker).log(sent["scheduler_handle"])
-    assert (row["task_name"], row["wave"]) == ("day 2026-03-01", 1)  # the log counts from 0
+    assert (row["task_name"], row["wave"]) == ("day 2026-03-01", 2)  # as given, from 1
     assert (row["dag_id"], row["run_id"], row["task_id"]) == ("a_dag", "manual__1", "a_task")
 
 

@@ -154,16 +154,16 @@ def test_a_retry_sends_only_the_tasks_that_did_not_succeed(
     rows = log_rows(broker, run.run_id)
     # (a plan with policy="continue" ran its second wave in the first try already)
     assert sorted((name_of(r), r["status"], r["wave"]) for r in rows) == [
-        ("a", "SUCCEEDED", 0),
-        ("b", "SUCCEEDED", 0),
-        ("c", "FAILED", 0),
-        ("c", "SUCCEEDED", 0),
-        ("d", "SUCCEEDED", 1),
+        ("a", "SUCCEEDED", 1),
+        ("b", "SUCCEEDED", 1),
+        ("c", "FAILED", 1),
+        ("c", "SUCCEEDED", 1),
+        ("d", "SUCCEEDED", 2),
     ]
     # ... and its XCom lists every task of the wave once, those of the first try included
     outcome = got[task_id].xcom_pull(task_ids=task_id)
     first = outcome["tasks"] if "tasks" in outcome else outcome["waves"][0]
-    succeeded = [r["log_id"] for r in rows if r["wave"] == 0 and r["status"] == "SUCCEEDED"]
+    succeeded = [r["log_id"] for r in rows if r["wave"] == 1 and r["status"] == "SUCCEEDED"]
     assert sorted(t["log_id"] for t in first) == succeeded
     assert {t["status"] for t in first} == {"SUCCEEDED"}
 

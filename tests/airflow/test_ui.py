@@ -454,6 +454,37 @@ def test_a_missing_connection_is_named(
     assert "'no_such_connection' is not defined" in response.json()["detail"]
 
 
+@pytest.mark.parametrize(
+    ("host", "says"),
+    [
+        # The port is no number: the URL fails only once parsed further.
+        ("postgresql://alice:S3cretPW@host:notaport/db", "'notaport'"),
+        # No scheme: not a URL at all, so no URL mask would find the password in it.
+        ("alice:S3cretPW@host/db", "is not a SQLAlchemy URL"),
+    ],
+    ids=["bad port", "no scheme"],
+)
+def test_a_malformed_connection_url_is_named_without_its_password(
+    api_server: Any, admin: dict[str, str], monkeypatch: pytest.MonkeyPatch, host: str, says: str
+) -> None:
+    # Given the page's connection holds a malformed URL with a password in it
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SCHEDULER_LIB_DEFAULT",
+        json.dumps({"conn_type": "scheduler_lib", "host": host}),
+    )
+    run = urllib.parse.quote(RUN_1, safe="")
+    for path in ("/api/snapshot", f"/api/dags/etl/runs/{run}/snapshot"):
+        # When the page asks for its data
+        response = api_server.get(PREFIX + path, headers=admin)
+        # Then a 503 names the connection and what is wrong with its URL, and the
+        # password is nowhere in the answer
+        assert response.status_code == 503, (path, response.text)
+        detail = response.json()["detail"]
+        assert "connection 'scheduler_lib_default'" in detail and says in detail, detail
+        assert "***" in detail, detail
+        assert "S3cretPW" not in response.text
+
+
 def test_airflow_lists_the_page_and_the_run_tab(api_server: Any, admin: dict[str, str]) -> None:
     plugins = api_server.get("/api/v2/plugins", headers=admin).json()["plugins"]
     (plugin,) = [p for p in plugins if p["name"] == "scheduler_lib"]

@@ -64,12 +64,12 @@ def nested(depth: int) -> list[Any]:
     return value
 
 
-@pytest.mark.parametrize("wave", ["abc", 1.5, -5, 2**31, 2**40, True])
+@pytest.mark.parametrize("wave", ["abc", 1.5, -5, 0, 2**31, 2**40, True])
 def test_a_wave_out_of_range_is_refused(scheduler: TaskScheduler, db_url: str, wave: Any) -> None:
     # Given a scheduler
     handle = scheduler.get_scheduler()
     task = Task.python("builtins:abs", -1)
-    # When tasks are sent with a wave that is not an integer from 0 to 2**31 - 1
+    # When tasks are sent with a wave that is not an integer from 1 to 2**31 - 1
     # Then InvalidArgument naming 'wave', and nothing is logged nor sent
     refused(db_url, lambda: scheduler.exec_async(handle, task, wave=wave), InvalidArgument, "wave")
     refused(db_url, lambda: scheduler.exec_many(handle, [task], wave=wave), InvalidArgument, "wave")
@@ -79,11 +79,28 @@ def test_the_bounds_of_a_wave_are_accepted(scheduler: TaskScheduler, broker: Bro
     handle = scheduler.get_scheduler()
     task = Task.python("builtins:abs", -1)
     # Given waves at both ends of the range (and none)
-    ids = [scheduler.exec_async(handle, task, wave=w) for w in (0, 2**31 - 1, None)]
+    ids = [scheduler.exec_async(handle, task, wave=w) for w in (1, 2**31 - 1, None)]
+    ids += scheduler.exec_many(handle, [task], wave=1)
     ids += scheduler.exec_many(handle, [task], wave=2**31 - 1)
-    # Then each is logged with its wave
+    # Then each is logged with its wave, as given
     waves = [broker.fetch("log_get", log_id=i)[0]["wave"] for i in ids]
-    assert waves == [0, 2**31 - 1, None, 2**31 - 1]
+    assert waves == [1, 2**31 - 1, None, 1, 2**31 - 1]
+
+
+@pytest.mark.parametrize("send", ["exec_async", "exec_many"])
+def test_wave_zero_is_refused_waves_count_from_one(
+    scheduler: TaskScheduler, db_url: str, send: str
+) -> None:
+    # Given a scheduler, and a caller who still counts waves from 0
+    handle = scheduler.get_scheduler()
+    task = Task.python("builtins:abs", -1)
+    call = {
+        "exec_async": lambda: scheduler.exec_async(handle, task, wave=0),
+        "exec_many": lambda: scheduler.exec_many(handle, [task], wave=0),
+    }[send]
+    # When it sends a task with wave=0
+    # Then InvalidArgument names the field and the range from 1, and nothing is written
+    refused(db_url, call, InvalidArgument, "wave must be an integer from 1 to 2147483647, got 0")
 
 
 def test_counts_too_large_for_a_column_are_refused(broker: Broker, db_url: str) -> None:

@@ -1,18 +1,22 @@
-"""The schema: migrations are idempotent, and sql/ holds exactly what they build."""
+"""The schema: migrations are idempotent, sql/ holds exactly what they build, and data
+migrations carry old rows over."""
 
 from __future__ import annotations
 
 import pathlib
 import sqlite3
+import uuid
 import warnings
 from typing import Any
 
+import alembic.command
+import alembic.config
 import psycopg
 import pytest
 import sqlalchemy as sa
 
-from scheduler_lib.broker import engine, schema
-from scheduler_lib.scheduler import MIGRATIONS
+from scheduler_lib.broker import Broker, engine, schema
+from scheduler_lib.scheduler import MIGRATIONS, TaskScheduler
 
 SQL_DIR = pathlib.Path(__file__).resolve().parents[2] / "sql"
 
@@ -145,5 +149,62 @@ def test_migrate_is_idempotent(db_url: str) -> None:
         assert schema.current(eng) == schema.head()
         assert sa.inspect(eng).get_table_names() == tables
         assert "queue_messages" in tables
+    finally:
+        eng.dispose()
+
+
+def _scheduler_config() -> alembic.config.Config:
+    """Alembic's configuration for the scheduler's migrations, as ``schema.migrate`` makes it."""
+    config = alembic.config.Config()
+    config.set_main_option("script_location", MIGRATIONS.script_location)
+    config.set_main_option("version_table", MIGRATIONS.version_table)
+    return config
+
+
+def test_the_wave_migration_numbers_old_rows_from_one(db_url: str) -> None:
+    # Given a database at s0004, where the log counted waves from 0: a scheduler that ran
+    # two waves (2 tasks, then 1) and a task sent outside any wave
+    eng = engine.create_engine(db_url)
+    handle = str(uuid.uuid4())
+    try:
+        schema.migrate(eng)
+        schema.migrate(eng, "s0004", migrations=MIGRATIONS)
+        with eng.begin() as conn:
+            for name, wave in (("a", 0), ("b", 0), ("c", 1), ("loose", None)):
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO execution_log (caller_id, scheduler_handle, "
+                        "target_service, wave, task_name, task_kind, task_body, sent_at, "
+                        "start_time, end_time, status, attempts) VALUES ('old:1:MainThread', "
+                        ":handle, 'ServiceAsyncTarget', :wave, :name, 'python', '{}', 1.0, "
+                        "1.0, 2.0, 'SUCCEEDED', 1)"
+                    ),
+                    {"handle": handle, "wave": wave, "name": name},
+                )
+        # When the scheduler's migrations run to head (what `scheduler-lib init` does)
+        with Broker(db_url) as broker:
+            scheduler = TaskScheduler(broker)
+            # Then the library reads the first wave as 1 and the second as 2; no wave
+            # stays no wave
+            rows = scheduler.log(handle)
+            assert [(r["task_name"], r["wave"]) for r in rows] == [
+                ("a", 1),
+                ("b", 1),
+                ("c", 2),
+                ("loose", None),
+            ]
+        # And the downgrade gives the old numbers back
+        config = _scheduler_config()
+        with eng.begin() as conn:
+            config.attributes["connection"] = conn
+            alembic.command.downgrade(config, "s0004")
+        with eng.connect() as conn:
+            waves = conn.execute(
+                sa.text(
+                    "SELECT wave FROM execution_log WHERE scheduler_handle = :h ORDER BY log_id"
+                ),
+                {"h": handle},
+            ).scalars()
+            assert list(waves) == [0, 0, 1, None]
     finally:
         eng.dispose()

@@ -93,7 +93,7 @@ def _check_blog_run(broker: Broker, report: Any, shape: list[tuple[int, float]])
     assert report.ok and len(report.completions) == 10
     rows = _rows(broker, report.scheduler_handle)
     assert [r["status"] for r in rows] == ["SUCCEEDED"] * 10
-    by_wave = [[r for r in rows if r["wave"] == w] for w in range(len(shape))]
+    by_wave = [[r for r in rows if r["wave"] == w] for w in range(1, len(shape) + 1)]
     assert [len(w) for w in by_wave] == [count for count, _ in shape]
     for earlier, later in itertools.pairwise(by_wave):
         # Each wave starts only after the previous one finished
@@ -112,9 +112,9 @@ def test_activated_executors_run_the_waves(broker: Broker) -> None:
         assert report.ok
         rows = _rows(broker, report.scheduler_handle)
         assert all(r["activated_task_id"] for r in rows)  # run by activated readers
-        wave0 = [r for r in rows if r["wave"] == 0]
-        assert min(r["start_time"] for r in rows if r["wave"] == 1) >= max(
-            r["end_time"] for r in wave0
+        wave1 = [r for r in rows if r["wave"] == 1]
+        assert min(r["start_time"] for r in rows if r["wave"] == 2) >= max(
+            r["end_time"] for r in wave1
         )
 
 
@@ -162,7 +162,7 @@ def test_fail_fast_stops_cancels_what_is_queued_and_lists_every_failure(
     assert {c.status for c in failure.failures} <= {"FAILED", "CANCELLED"}
     assert "bad: FAILED" in str(failure) and "1 not sent" in str(failure)
     rows = _rows(sched, _handle_of(sched, failure.completions))
-    assert all(r["wave"] == 0 for r in rows)  # nothing of wave 1 was logged or sent
+    assert all(r["wave"] == 1 for r in rows)  # nothing of wave 2 was logged or sent
     cancelled = [r for r in rows if r["status"] == "CANCELLED"]
     assert cancelled and all(r["attempts"] == 0 for r in cancelled)  # never ran
 

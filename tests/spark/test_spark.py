@@ -282,14 +282,14 @@ def test_fail_fast_cancels_a_running_spark_job_through_its_job_group(
     started = time.monotonic()
     handle = scheduler.get_scheduler()
     [long_id] = scheduler.exec_many(
-        handle, [{"kind": "spark_sql", "name": "endless", "sql": ENDLESS}], wave=0
+        handle, [{"kind": "spark_sql", "name": "endless", "sql": ENDLESS}], wave=1
     )
     group = job_group(long_id)
     poll(lambda: _active_jobs(spark, group), "the endless job to run on Spark")
     scheduler.exec_many(
         handle,
         [{"kind": "pyspark", "name": "boom", "callable": "spark_tasks:fail", "args": ["x"]}],
-        wave=0,
+        wave=1,
     )
     first = scheduler.synchronization(handle, timeout=DEADLINE)
     assert (first.task_name, first.status) == ("boom", "FAILED")

@@ -71,7 +71,7 @@ def test_the_blogs_waves_with_initiator_and_target_on_two_brokers(
         assert report.ok and len(report.completions) == 10
         log = rows(airflow_side, report.scheduler_handle)
         assert [r["status"] for r in log] == ["SUCCEEDED"] * 10
-        by_wave = [[r for r in log if r["wave"] == w] for w in range(len(SHAPE))]
+        by_wave = [[r for r in log if r["wave"] == w] for w in range(1, len(SHAPE) + 1)]
         assert [len(w) for w in by_wave] == [count for count, _ in SHAPE]
         for earlier, later in itertools.pairwise(by_wave):
             assert min(r["start_time"] for r in later) >= max(r["end_time"] for r in earlier)

@@ -282,8 +282,8 @@
   }
 
   function waveOf(r) {
-    // The log counts waves from 0; people (and the DAGs) from 1.
-    return r.wave === null || r.wave === undefined ? "" : r.wave + 1;
+    // The log numbers waves as people (and the DAGs) do: the first is 1.
+    return r.wave === null || r.wave === undefined ? "" : r.wave;
   }
 
   function duration(r, now) {
