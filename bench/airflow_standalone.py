@@ -13,7 +13,8 @@ Each process gets its own process group (``start_new_session``) and a log file; 
 the groups get SIGTERM, then SIGKILL after ``STOP_GRACE``, and descendants that made a
 session of their own are killed by pid. Waits are conditions with deadlines and fail
 fast when a process died; failures raise :class:`HarnessError` (a test turns it into
-``pytest.fail``). Only the standard library and ``psutil`` (Airflow's dependency).
+``pytest.fail``). Only the standard library, ``psutil`` (Airflow's dependency) and
+:mod:`bench.processes` (the waits).
 
 Airflow settings made here, all needed to run a private instance: a temporary
 ``AIRFLOW_HOME`` (its SQLite metadata database unless the caller's env says otherwise),
@@ -45,6 +46,9 @@ from typing import Any
 
 import psutil
 
+from bench import processes
+from bench.processes import HarnessError
+
 BIN = Path(sys.executable).parent  # airflow, scheduler-lib and python live together
 STARTUP = 180.0  # seconds for standalone to come up healthy (about 20 on a quiet 2-core machine)
 PARSE_TIMEOUT = 120.0  # seconds for the dag-processor to parse a DAG
@@ -54,10 +58,6 @@ RUN_POLL = 0.2  # seconds between two looks at a DAG run's state
 HTTP_TIMEOUT = 30.0  # seconds per REST call
 COMPONENTS = ("metadatabase", "scheduler", "triggerer", "dag_processor")
 TERMINAL = ("success", "failed")
-
-
-class HarnessError(RuntimeError):
-    """The Airflow harness failed: a process died, a deadline passed, or a call failed."""
 
 
 def free_port() -> int:
@@ -82,25 +82,9 @@ def wait_for(
     check: Callable[[], None] | None = None,
     interval: float = POLL,
 ) -> Any:
-    """Re-evaluate ``condition`` until it is truthy and return its value; ``check`` raises
-    when something it depends on died; :class:`HarnessError` after ``timeout`` seconds.
-
-    :param condition: evaluated every ``interval`` seconds
-    :param timeout: seconds before giving up
-    :param what: what is awaited, for the error message
-    :param check: called before each look (e.g. :meth:`Processes.check_alive`)
-    :param interval: seconds between looks
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        if check is not None:
-            check()
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise HarnessError(f"{what}: not within {timeout} s")
-        time.sleep(interval)
+    """:func:`bench.processes.wait_for`, looking every ``POLL`` seconds by default (a look
+    here is an HTTP call, or a read of a log)."""
+    return processes.wait_for(condition, timeout, what, check=check, interval=interval)
 
 
 class Processes:

@@ -27,15 +27,11 @@ wave); the others find the readers of the run before still waiting (warm, within
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +42,13 @@ from bench.broker_throughput import (
     log,
     start_report,
 )
-from scheduler_lib.broker import Broker
+from bench.processes import CLI, Processes, init
 
-CLI = str(Path(sys.executable).parent / "scheduler-lib")
 UNIT = 1 / 20  # seconds per unit of the blog's WAITFOR DELAY lengths
 WAVES = [[10.1, 9.9, 9.7, 9.5], [9.3, 9.1], [8.9], [8.7, 8.5], [6.5]]
 IDEAL = sum(max(wave) for wave in WAVES) * UNIT
 PER_WAVE = 0.050  # seconds of scheduling a wave may add (issue 21)
+SERVED = 180.0  # seconds for the command under test to monitor its queue (a JVM's start)
 
 
 def bound(ideal: float) -> float:
@@ -76,28 +72,6 @@ def plan(path: Path, kind: str) -> Path:
             lines.append(("  - - " if t == 1 else "    - ") + body)
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-@contextlib.contextmanager
-def served(command: list[str], url: str, workdir: Path) -> Iterator[None]:
-    """The command under test, cold, until its queue monitor exists."""
-    out = (workdir / f"{command[0]}.log").open("wb")
-    process = subprocess.Popen([CLI, *command, "--db", url], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        with Broker(url, timers=False) as broker:
-            while not any(m["queue_name"] == "QueueAsyncTarget" for m in broker.queue_monitors()):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{command[0]} did not start: see {out.name}")
-                time.sleep(0.1)
-        yield
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        out.close()
 
 
 def one_run(url: str, plan_file: Path, kind: str) -> dict[str, float]:
@@ -126,11 +100,12 @@ def one_run(url: str, plan_file: Path, kind: str) -> dict[str, float]:
 def setup(name: str, command: list[str], url: str, kind: str, runs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        init = subprocess.run([CLI, "init", "--db", url], capture_output=True, text=True)
-        if init.returncode:
-            raise RuntimeError(init.stderr)
+        init(url)
         plan_file = plan(workdir / "blog.yaml", kind)
-        with served(command, url, workdir):
+        with Processes(workdir) as processes:
+            # The command under test, cold, until its queue monitor exists
+            served = processes.start(command[0], *command, "--db", url)
+            processes.wait_monitored(served, url, SERVED)
             results = []
             for r in range(runs):
                 results.append(one_run(url, plan_file, kind))

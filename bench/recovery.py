@@ -34,13 +34,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +48,10 @@ from bench.broker_throughput import (
     start_report,
 )
 from bench.private_postgres import PrivatePostgres
+from bench.processes import Processes, init, wait_for
 from scheduler_lib.broker import Broker
 from scheduler_lib.scheduler import Completion, Task, TaskScheduler
 
-CLI = str(Path(sys.executable).parent / "scheduler-lib")
 WAVES, TASKS, TASK_SECONDS = 3, 4, 0.3
 GOAL = 1.0  # seconds from the server back to the first completion (issue 20)
 SIDES = {
@@ -68,23 +65,6 @@ def _plan() -> list[list[Task]]:
         [Task.python("time:sleep", TASK_SECONDS, name=f"w{w}t{t}") for t in range(TASKS)]
         for w in range(WAVES)
     ]
-
-
-@contextlib.contextmanager
-def _side(url: str, command: list[str], workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """The documented command under test, in its own process, its output to a file."""
-    out = (workdir / f"{command[0]}.log").open("wb")
-    process = subprocess.Popen([CLI, *command, "--db", url], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-        out.close()
 
 
 def _round(scheduler: TaskScheduler, server: PrivatePostgres | None) -> dict[str, float]:
@@ -135,21 +115,21 @@ def _round(scheduler: TaskScheduler, server: PrivatePostgres | None) -> dict[str
 def measure(server: PrivatePostgres, side: str, rounds: int, workdir: Path) -> dict[str, Any]:
     name = f"recovery_{side.replace(' ', '_')}"
     url = server.create_database(name)
-    env_ok = subprocess.run([CLI, "init", "--db", url], capture_output=True, text=True)
-    if env_ok.returncode:
-        raise RuntimeError(env_ok.stderr)
-    with _side(url, SIDES[side], workdir) as process, Broker(url, timers=False) as broker:
+    init(url)
+    with Processes(workdir) as processes, Broker(url, timers=False) as broker:
+        # The documented command under test, in its own process
+        process = processes.start(name, *SIDES[side], "--db", url)
         scheduler = TaskScheduler(broker)
         log(f"{side}: warming up")
-        deadline = time.monotonic() + 180
-        while True:  # the side is up (a Spark worker's JVM takes a while) and warm
-            if process.poll() is not None:
-                raise RuntimeError(f"{side} exited with {process.returncode}")
+
+        def warm() -> bool:
             with contextlib.suppress(Exception):
                 scheduler.run_waves([[Task.python("builtins:abs", 1)]], timeout=5)
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{side} did not run a task within 180 s")
+                return True
+            return False
+
+        # the side is up (a Spark worker's JVM takes a while) and warm
+        wait_for(warm, 180, f"{side} to run a task", check=lambda: processes.check_alive(process))
         _round(scheduler, None)
         baselines, restarts = [], []
         for r in range(rounds):

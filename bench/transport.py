@@ -36,12 +36,11 @@ import secrets
 import shlex
 import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +54,12 @@ from bench.broker_throughput import (
     machine_facts,
     percentile,
 )
+from bench.processes import Processes
 from scheduler_lib.broker import Broker
 
 BODY = b"x" * 100
 BATCH = 100  # messages per send_many
+SERVE_UP = 60.0  # seconds for an endpoint to listen
 
 
 def _catalog(broker: Broker, *services: tuple[str, str, bool]) -> None:
@@ -73,39 +74,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@contextmanager
-def _serve(url: str, port: int, key: str) -> Iterator[subprocess.Popen[str]]:
-    """``scheduler-lib serve --listen`` for one broker, until the block ends."""
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "scheduler_lib.cli",
-            "serve",
-            "--db",
-            url,
-            "--listen",
-            f"127.0.0.1:{port}",
-        ],
-        env={**os.environ, "SCHEDULER_LIB_TRANSPORT_KEY": key},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert process.stdout is not None
-    for line in process.stdout:
-        if "listening at" in line:
-            break
-    else:
-        raise RuntimeError(f"serve on {url} did not start")
-    threading.Thread(target=lambda: [None for _ in process.stdout or ()], daemon=True).start()
-    try:
-        yield process
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def throughput(
@@ -221,8 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         port_a, port_b = _free_port(), _free_port()
         a.create_route("to B", "RemoteTarget", f"tcp://127.0.0.1:{port_b}")
         b.create_route("to A", "Initiator", f"tcp://127.0.0.1:{port_a}")
-        stack.enter_context(_serve(url_a, port_a, key))
-        stack.enter_context(_serve(url_b, port_b, key))
+        # Each broker's endpoint: `scheduler-lib serve --listen`, until the block ends
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        env = {**os.environ, "SCHEDULER_LIB_TRANSPORT_KEY": key}
+        processes = stack.enter_context(Processes(workdir, env))
+        for name, url, port in (("serve-a", url_a, port_a), ("serve-b", url_b, port_b)):
+            endpoint = processes.start(name, "serve", "--db", url, "--listen", f"127.0.0.1:{port}")
+            processes.wait_said(endpoint, "listening at", SERVE_UP)
         sides = {
             "local": (a, "LocalQueue", "LocalTarget"),
             "remote": (b, "RemoteQueue", "RemoteTarget"),

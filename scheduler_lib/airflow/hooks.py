@@ -21,8 +21,8 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import sqlalchemy as sa
 from airflow.sdk import BaseHook
@@ -30,8 +30,6 @@ from airflow.sdk import BaseHook
 from scheduler_lib.broker import Broker, ConnectionLost, DatabaseUnavailable, connections, schema
 from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
 from scheduler_lib.scheduler import KindNotAllowed, TaskScheduler, catalog
-
-T = TypeVar("T")
 
 CONN_TYPE = "scheduler_lib"
 DEFAULT_CONN_ID = "scheduler_lib_default"
@@ -194,26 +192,6 @@ def _state(broker: Broker) -> _State:
         return state
 
 
-def riding(broker: Broker, call: Callable[[], T], what: str) -> T:
-    """``call()`` riding through a database outage as the broker's own operations do
-    (:meth:`Broker.retrying`), a lost connection raised by SQLAlchemy itself counted as
-    one: schema migrations (``Broker.apply_migrations``, hence ``TaskScheduler()``)
-    run outside the broker's retries.
-
-    :raises DatabaseUnavailable: the database stayed away past the reconnect deadline
-    """
-
-    def attempt() -> T:
-        try:
-            return call()
-        except sa.exc.DBAPIError as exc:
-            if connections.is_lost(exc):
-                raise connections.lost(what, exc) from exc
-            raise
-
-    return broker.retrying(attempt, what=what)
-
-
 def ready(broker: Broker, *, migrate: bool = False) -> None:
     """Bring the schemas up to date, once per broker, riding through an outage: the
     broker's (with ``migrate``, for a broker opened with ``migrate=False``) and the
@@ -221,16 +199,15 @@ def ready(broker: Broker, *, migrate: bool = False) -> None:
 
     :raises DatabaseUnavailable: the database stayed away past the reconnect deadline
     """
-    # Only work that reaches the database goes through riding(): a call that succeeds
-    # tells the broker its database is back, which a no-op must not.
+    # Broker.apply_migrations rides through an outage itself (catalog.prepare runs it).
     state = _state(broker)
     if migrate and not state.migrated:
         with quiet_migrations():
-            riding(broker, lambda: broker.apply_migrations(schema.BROKER), "migrate")
+            broker.apply_migrations(schema.BROKER)
         state.migrated = True
     if not state.prepared:
         with quiet_migrations():
-            riding(broker, lambda: catalog.prepare(broker), "prepare the scheduler's schema")
+            catalog.prepare(broker)
         state.prepared = True
 
 

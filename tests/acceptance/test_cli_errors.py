@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-CLI = str(Path(sys.executable).parent / "scheduler-lib")
+from bench.processes import CLI, Processes
+
 PLAN = 'waves:\n  - - {kind: python, callable: "time:sleep", args: [0.1], name: nap}\n'
 
 
@@ -88,21 +87,16 @@ def test_run_waits_for_a_reader_that_starts_later(sqlite_url: str, tmp_path: Pat
         stderr=subprocess.PIPE,
         text=True,
     )
-    serve = None
-    try:
-        # Given run waits (it says so), When serve starts later, Then the plan runs
-        assert run.stderr is not None
-        first = run.stderr.readline()
-        assert "nothing serves 'QueueAsyncTarget' yet: waiting for ever" in first
-        serve = subprocess.Popen(
-            [CLI, "serve", "--db", sqlite_url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        out, _ = run.communicate(timeout=120)
-        assert run.returncode == 0 and "all tasks succeeded" in out
-    finally:
-        if run.poll() is None:
-            run.kill()
-        if serve is not None:
-            serve.send_signal(signal.SIGTERM)
-            serve.wait(60)
+    with Processes(tmp_path) as processes:  # serve is stopped (SIGTERM) at the end
+        try:
+            # Given run waits (it says so), When serve starts later, Then the plan runs
+            assert run.stderr is not None
+            first = run.stderr.readline()
+            assert "nothing serves 'QueueAsyncTarget' yet: waiting for ever" in first
+            processes.start("serve", "serve", "--db", sqlite_url)
+            out, _ = run.communicate(timeout=120)
+            assert run.returncode == 0 and "all tasks succeeded" in out
+        finally:
+            if run.poll() is None:
+                run.kill()
     assert os.path.exists(sqlite_url.removeprefix("sqlite:///"))

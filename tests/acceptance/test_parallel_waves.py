@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.processes import CLI, TARGET_QUEUE, Processes
 from scheduler_lib.broker import Broker
 
-CLI = str(Path(sys.executable).parent / "scheduler-lib")
+SERVED = 180.0  # seconds for a command started cold to monitor its queue (a JVM's start)
 UNIT = 1 / 20  # seconds per unit of the blog's WAITFOR DELAY lengths
 WAVES = [[10.1, 9.9, 9.7, 9.5], [9.3, 9.1], [8.9], [8.7, 8.5], [6.5]]
 IDEAL = sum(max(wave) for wave in WAVES) * UNIT
@@ -48,33 +46,20 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def started(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+def processes(tmp_path: Path) -> Iterator[Processes]:
     """The long-running commands a test starts; stopped (SIGTERM) at its end."""
-    processes: list[subprocess.Popen[bytes]] = []
-    yield processes
-    for process in processes:
-        process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+    with Processes(tmp_path) as started:
+        yield started
 
 
-def _start(started: list[subprocess.Popen[bytes]], log: Path, *args: str) -> None:
-    started.append(subprocess.Popen([CLI, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT))
-
-
-def _wait_served(url: str, queue: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    """Until the command serves the queue (its monitor exists): started cold, no reader."""
-    deadline = time.monotonic() + 180
+def _served(processes: Processes, url: str, *args: str) -> subprocess.Popen[bytes]:
+    """``scheduler-lib ARGS... --db URL``, once it serves the target queue (its monitor
+    exists): started cold, no reader."""
+    process = processes.start(args[0], *args, "--db", url)
+    processes.wait_monitored(process, url, SERVED)
     with Broker(url, timers=False) as broker:
-        while not any(m["queue_name"] == queue for m in broker.queue_monitors()):
-            assert process.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the queue was never monitored"
-            time.sleep(0.1)
-        assert [t for t in broker.activated_tasks() if t["queue_name"] == queue] == []
+        assert [t for t in broker.activated_tasks() if t["queue_name"] == TARGET_QUEUE] == []
+    return process
 
 
 def _check(report: dict[str, Any]) -> None:
@@ -103,13 +88,11 @@ def _check(report: dict[str, Any]) -> None:
 
 
 def test_serve_runs_each_wave_in_parallel(
-    db_url: str, tmp_path: Path, started: list[subprocess.Popen[bytes]]
+    db_url: str, tmp_path: Path, processes: Processes
 ) -> None:
     init = _cli("init", "--db", db_url)
     assert init.returncode == 0, init.stderr
-    log = tmp_path / "serve.log"
-    _start(started, log, "serve", "--db", db_url)
-    _wait_served(db_url, "QueueAsyncTarget", started[0], log)
+    _served(processes, db_url, "serve")
     run = _cli("run", str(_plan(tmp_path / "blog.yaml", "python")), "--db", db_url, "--json")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     _check(json.loads(run.stdout))
@@ -117,14 +100,12 @@ def test_serve_runs_each_wave_in_parallel(
 
 @pytest.mark.slow
 def test_spark_worker_runs_each_wave_in_parallel(
-    sqlite_url: str, tmp_path: Path, started: list[subprocess.Popen[bytes]]
+    sqlite_url: str, tmp_path: Path, processes: Processes
 ) -> None:
-    log = tmp_path / "worker.log"
-    _start(started, log, "worker", "--db", sqlite_url, "--master", "local[4]")
-    _wait_served(sqlite_url, "QueueAsyncTarget", started[0], log)
+    worker = _served(processes, sqlite_url, "worker", "--master", "local[4]")
     plan = _plan(tmp_path / "blog.yaml", "spark_sql")
     run = _cli("run", str(plan), "--db", sqlite_url, "--json")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + log.read_text()[-3000:]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + processes.output(worker)
     _check(json.loads(run.stdout))
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.processes import Processes
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "integration"))  # multiproc: poll
-
-from multiproc import Output, poll  # noqa: E402
 
 BIN = Path(sys.executable).parent  # airflow and scheduler-lib live next to python
 WORKER_START = 120.0  # seconds for a worker's JVM to start on a busy machine
@@ -79,49 +79,19 @@ def scheduler_lib_conn(
 
 
 @pytest.fixture
-def spark_worker(scheduler_lib_conn: str, tmp_path: Path) -> Iterator[Output]:
+def spark_worker(scheduler_lib_conn: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``scheduler-lib worker`` on the test's broker: a real Spark driver (``local[2]``)
     in its own process, serving spark_sql, python and sql tasks with up to 4 readers."""
     warehouse = tmp_path / "warehouse"
-    process = subprocess.Popen(
-        [
-            str(BIN / "scheduler-lib"),
+    with Processes(tmp_path, {**os.environ, "PYSPARK_PYTHON": sys.executable}) as processes:
+        worker = processes.start(
             "worker",
-            "--db",
-            scheduler_lib_conn,
-            "--master",
-            "local[2]",
-            "--max-readers",
-            "4",
-            "--conf",
-            f"spark.sql.warehouse.dir={warehouse}",
-            "--conf",
-            "spark.sql.shuffle.partitions=2",
-            "--conf",
-            "spark.ui.enabled=false",
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    assert process.stdout is not None
-    output = Output(process.stdout)
-    try:
-        poll(
-            lambda: output.has("worker serving") or process.poll() is not None,
-            WORKER_START,
-            "the Spark worker to serve",
+            "worker",
+            *("--db", scheduler_lib_conn, "--master", "local[2]", "--max-readers", "4"),
+            *("--conf", f"spark.sql.warehouse.dir={warehouse}"),
+            *("--conf", "spark.sql.shuffle.partitions=2"),
+            *("--conf", "spark.ui.enabled=false"),
+            cwd=tmp_path,
         )
-        assert process.poll() is None, f"the worker exited:\n{output.tail()}"
-        yield output
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
-                process.wait(timeout=30)
+        processes.wait_said(worker, "worker serving", WORKER_START)
+        yield worker

@@ -43,6 +43,7 @@ import pytest
 import sqlalchemy as sa
 import structlog.testing
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
+from multiproc import poll
 
 from bench.private_postgres import PrivatePostgres, unavailable_reason
 from scheduler_lib.airflow import (
@@ -66,17 +67,6 @@ PASSWORD = "s3cret-outage-pass"
 WAIT = 60.0  # seconds: deadline for conditions that hold within seconds
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 DEADLINE = 4.0  # seconds: SCHEDULER_LIB_RECONNECT_TIMEOUT where a test shortens it
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
-    """``condition()`` once it is truthy; AssertionError after ``timeout`` seconds (safe
-    on any thread, unlike ``pytest.fail``)."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-    return value
 
 
 class Background(threading.Thread):
@@ -429,12 +419,14 @@ def test_the_trigger_waits_through_an_outage_and_fires_once_the_wave_is_done(
 
         def outage() -> None:
             # Given the server stops while the wave's tasks run
-            wait_for(lambda: set(rows(worker_broker, ids).values()) == {"RUNNING"}, "the tasks run")
+            poll(
+                lambda: set(rows(worker_broker, ids).values()) == {"RUNNING"}, WAIT, "the tasks run"
+            )
             server.stop()
             times["stopped"] = time.monotonic()
             # ... and stays down until the trigger said it waits for it (so past one
             # look's deadline)
-            wait_for(lambda: lines.having("unavailable", "waiting"), "the trigger to wait")
+            poll(lambda: lines.having("unavailable", "waiting"), WAIT, "the trigger to wait")
             server.start()
             times["back"] = time.monotonic()
 
@@ -468,8 +460,9 @@ def test_a_trigger_that_starts_during_an_outage_fires_once_the_database_is_back(
     monkeypatch.setattr(triggers, "LOOK_RECONNECT_TIMEOUT", 1.0)
     wave = send_wave(sleeps(0.1))
     serve()
-    wait_for(
+    poll(
         lambda: rows(worker_broker, wave["log_ids"]) == {wave["log_ids"][0]: "SUCCEEDED"},
+        WAIT,
         "the task to complete",
     )
     hooks.close_brokers()  # a fresh triggerer process: no broker opened yet
@@ -478,7 +471,7 @@ def test_a_trigger_that_starts_during_an_outage_fires_once_the_database_is_back(
     with Lines() as lines:
         starter = Background(
             lambda: (
-                wait_for(lambda: lines.having("unavailable"), "the trigger to wait"),
+                poll(lambda: lines.having("unavailable"), WAIT, "the trigger to wait"),
                 server.start(),
             )
         )
@@ -537,7 +530,7 @@ def test_poke_rides_through_says_not_yet_past_the_deadline_and_returns_the_wave_
     with Lines() as lines:
         poking = Background(lambda: sensor.poke(ctx))
         poking.start()
-        wait_for(lambda: not _hooks_broker().availability.available, "the poke to meet it")
+        poll(lambda: not _hooks_broker().availability.available, WAIT, "the poke to meet it")
         server.start()
         poked = poking.result()
     assert poked.is_done in (False, True) and not lines.having("unavailable")
@@ -545,7 +538,7 @@ def test_poke_rides_through_says_not_yet_past_the_deadline_and_returns_the_wave_
 
     # Given an outage past the deadline, When poked, Then "not yet", with a log line,
     # rather than a failed Airflow task
-    wait_for(lambda: set(rows(worker_broker, wave["log_ids"]).values()) != {"QUEUED"}, "a start")
+    poll(lambda: set(rows(worker_broker, wave["log_ids"]).values()) != {"QUEUED"}, WAIT, "a start")
     server.stop()
     try:
         with Lines() as lines:
@@ -566,7 +559,7 @@ def test_poke_rides_through_says_not_yet_past_the_deadline_and_returns_the_wave_
     assert deferred.value.trigger.log_ids == wave["log_ids"]
 
     # Then once the database is back, the wave
-    done = wait_for(lambda: (p := sensor.poke(ctx)).is_done and p, "the wave to complete")
+    done = poll(lambda: (p := sensor.poke(ctx)).is_done and p, WAIT, "the wave to complete")
     assert [t["status"] for t in done.xcom_value] == ["SUCCEEDED", "SUCCEEDED"]
 
 
@@ -583,12 +576,13 @@ def test_ordered_waves_finish_a_plan_through_a_restart_in_the_middle_of_a_wave(
     def restart() -> None:
         # Given the server stops while the first wave runs, until the plan's broker
         # (the hook's, shared by the process) has noticed it
-        wait_for(
+        poll(
             lambda: any(r["status"] == "RUNNING" for r in _plan_rows(worker_broker)),
+            WAIT,
             "the first wave to run",
         )
         server.stop()
-        wait_for(lambda: not _hooks_broker().availability.available, "the plan to notice")
+        poll(lambda: not _hooks_broker().availability.available, WAIT, "the plan to notice")
         server.start()
 
     restarter = Background(restart)
@@ -625,7 +619,7 @@ def test_a_plan_that_outlives_the_deadline_fails_in_one_line_naming_its_schedule
     plan = OrderedWavesOperator(task_id="plan", waves=[sleeps(0.1), sleeps(0.1)])
     running = Background(lambda: plan.execute(context()))
     running.start()
-    wait_for(lambda: _plan_rows(worker_broker), "the first wave to be sent")  # nobody serves
+    poll(lambda: _plan_rows(worker_broker), WAIT, "the first wave to be sent")  # nobody serves
     server.stop()
     try:
         with pytest.raises(AirflowException) as failed:
@@ -659,7 +653,7 @@ def test_a_deferrable_plan_defers_a_wait_past_the_deadline_and_finishes_on_resum
     # Given the first wave is sent and waited for in place (nobody serves it yet)
     running = Background(lambda: plan.execute(ctx))
     running.start()
-    wait_for(lambda: _plan_rows(worker_broker), "the first wave to be sent")
+    poll(lambda: _plan_rows(worker_broker), WAIT, "the first wave to be sent")
     # When the database goes away past the reconnect deadline
     server.stop()
     try:

@@ -26,13 +26,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from airflow.sdk import DAG
 from airflow.sdk.exceptions import AirflowFailException
+from multiproc import poll
 
 from scheduler_lib.airflow import (
     ExecAsyncOperator,
@@ -82,14 +83,6 @@ def fail_after(seconds: float) -> None:
 def runs(marks: Path) -> collections.Counter[str]:
     path = marks / "runs"
     return collections.Counter(path.read_text().split()) if path.exists() else collections.Counter()
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return got
 
 
 # --- fixtures ------------------------------------------------------------------------------
@@ -230,7 +223,7 @@ def test_a_failed_wave_is_retryable_and_a_failed_sensor_is_not(broker: Broker) -
         ctx["ti"].xcoms["w"] = sent
         sensor = SynchronizationSensor(task_id="s", exec_task_id="w")
         with pytest.raises(AirflowFailException, match="root"):
-            wait_for(lambda: sensor.poke(ctx).is_done, 30, "the wave")
+            poll(lambda: sensor.poke(ctx).is_done, 30, "the wave")
 
 
 # --- fail_fast -----------------------------------------------------------------------------

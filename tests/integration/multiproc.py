@@ -58,15 +58,24 @@ def collect(results: Any, count: int, timeout: float = RESULT_TIMEOUT) -> list[t
     return reports
 
 
-def poll(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Re-evaluate ``condition`` until it is truthy; fail after ``timeout`` seconds."""
+def poll(
+    condition: Callable[[], T],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    *,
+    explain: Callable[[], object] | None = None,
+) -> T:
+    """Re-evaluate ``condition`` until it is truthy; fail after ``timeout`` seconds (with
+    ``explain()``, what things look like then, in the message)."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() >= deadline:
-            pytest.fail(f"{what}: not within {timeout} s")
+            seen = "" if explain is None else f"; {explain()}"
+            pytest.fail(f"{what}: not within {timeout} s{seen}")
         time.sleep(interval)
 
 

@@ -15,10 +15,15 @@ before its database is dropped, the server is started again if it is down.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # multiproc: poll
+
 from private_postgres import PrivatePostgres, unavailable_reason
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

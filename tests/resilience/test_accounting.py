@@ -13,35 +13,26 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from marking_tasks import marks
 from private_postgres import PrivatePostgres
 
+from bench import processes
 from scheduler_lib.broker import Broker
 from scheduler_lib.scheduler import Target, init
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 HERE = Path(__file__).parent
-CLI = str(Path(sys.executable).parent / "scheduler-lib")
 WAVES, TASKS, TASK_SECONDS = 10, 6, 0.3
 RESTARTS = 20
-
-
-def _wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+SERVED = 60.0  # seconds for `serve` to monitor the target queue
 
 
 def _plan(path: Path, marks_file: Path) -> Path:
@@ -95,30 +86,18 @@ def env() -> dict[str, str]:
 def serve(
     private_db_url: str, env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`scheduler-lib init` and `scheduler-lib serve`, as the README gives them; the
-    test's ``retries`` parameter (default 0) is set on the target before serve starts."""
-    init_cli = subprocess.run(
-        [CLI, "init", "--db", private_db_url], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert init_cli.returncode == 0, init_cli.stderr
+    """`scheduler-lib init` and `scheduler-lib serve`, as the README gives them, once serve
+    monitors the target queue; the test's ``retries`` parameter (default 0) is set on the
+    target before serve starts."""
+    processes.init(private_db_url, env)
     retries = getattr(request, "param", 0)
     if retries:
         with Broker(private_db_url, timers=False) as broker:
             init(broker, targets=[Target(retries=retries)])
-    log = (tmp_path / "serve.log").open("wb")
-    process = subprocess.Popen(
-        [CLI, "serve", "--db", private_db_url], stdout=log, stderr=subprocess.STDOUT, env=env
-    )
-    try:
+    with processes.Processes(tmp_path, env) as started:
+        process = started.start("serve", "serve", "--db", private_db_url)
+        started.wait_monitored(process, private_db_url, SERVED)
         yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-        log.close()
 
 
 def _account(
@@ -132,17 +111,11 @@ def _account(
     print(f"RESILIENCE_SEED={seed}")
     marks_file = tmp_path / "marks"
     plan = _plan(tmp_path / "plan.yaml", marks_file)
-    with Broker(url, timers=False) as watcher:
-        _wait_for(
-            lambda: any(m["queue_name"] == "QueueAsyncTarget" for m in watcher.queue_monitors()),
-            60,
-            "`scheduler-lib serve` to monitor the target queue",
-        )
     # Given the plan running, When the server restarts 20 times under it
     restarter = Restarter(server, seed)
     started = time.monotonic()
     run = subprocess.Popen(
-        [CLI, "run", str(plan), "--db", url, "--json"],
+        [processes.CLI, "run", str(plan), "--db", url, "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,19 +18,19 @@ with a deadline; the outages are the intended waits.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from multiproc import poll
 
+from bench.processes import CLI, TARGET_QUEUE, Processes, alive, init
 from scheduler_lib.broker import Broker, EndpointState
 from scheduler_lib.broker.activation import HEARTBEAT_EXPIRY
 from scheduler_lib.scheduler import TaskScheduler
@@ -44,8 +44,6 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 BIN = Path(sys.executable).parent  # scheduler-lib and spark-submit live next to python
-CLI = str(BIN / "scheduler-lib")
-TARGET_QUEUE = "QueueAsyncTarget"
 INITIATOR_QUEUE = "QueueAsyncInitiator"
 SERVED = 60.0  # seconds for `serve` to monitor the target queue
 STARTED = 60.0  # seconds for a task to start (readers ramp up every few seconds)
@@ -112,25 +110,6 @@ def _gated(marks: Path, name: str, gate: Path, *, kind: str = "python") -> dict[
 # --- helpers ------------------------------------------------------------------------
 
 
-def _wait_for(
-    condition: Callable[[], Any],
-    timeout: float,
-    what: str,
-    explain: Callable[[], object] | None = None,
-) -> Any:
-    """``condition()`` once it is truthy; AssertionError after ``timeout`` seconds (with
-    ``explain()``: what things look like then)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            seen = "" if explain is None else f"; {explain()}"
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}{seen}")
-        time.sleep(0.05)
-
-
 def _plan(path: Path, waves: Sequence[Sequence[Mapping[str, Any]]]) -> Path:
     """A fail_fast plan file (each task a JSON object, which YAML reads as it is)."""
     lines = ["policy: fail_fast", "waves:"]
@@ -184,134 +163,28 @@ def _activated(url: str) -> list[Mapping[str, Any]]:
         return broker.activated_tasks()
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _descendants(pid: int) -> list[int]:
-    """Live descendants of ``pid``, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-class Processes:
-    """The subprocesses a test starts (`scheduler-lib ...`), each with its output in a
-    file; all reaped at the end (SIGTERM, then SIGKILL), with whatever they started."""
-
-    def __init__(self, directory: Path, env: dict[str, str]) -> None:
-        self.directory, self.env = directory, env
-        self.logs: dict[int, tuple[Path, Path]] = {}
-        self.started: list[subprocess.Popen[bytes]] = []
-        self.strays: set[int] = set()  # descendants of killed processes, if they linger
-
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        out, err = self.directory / f"{name}.out", self.directory / f"{name}.err"
-        with out.open("wb") as stdout, err.open("wb") as stderr:
-            process = subprocess.Popen([CLI, *args], stdout=stdout, stderr=stderr, env=self.env)
-        self.logs[process.pid] = (out, err)
-        self.started.append(process)
-        return process
-
-    def stdout(self, process: subprocess.Popen[bytes]) -> str:
-        return self.logs[process.pid][0].read_text(errors="replace")
-
-    def output(self, process: subprocess.Popen[bytes]) -> str:
-        """Its output and errors (for messages; the tail, where it failed)."""
-        out, err = (path.read_text(errors="replace") for path in self.logs[process.pid])
-        return f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
-
-    def kill(self, process: subprocess.Popen[bytes]) -> list[int]:
-        """SIGKILL, as ``kill -9`` or the OOM killer would; reaped at once. Returns the
-        descendants it had (a Spark driver's JVM)."""
-        descendants = _descendants(process.pid)
-        self.strays.update(descendants)
-        process.kill()
-        process.wait(30)
-        return descendants
-
-    def close(self) -> None:
-        for process in self.started:
-            if process.poll() is None:
-                self.strays.update(_descendants(process.pid))
-                process.send_signal(signal.SIGTERM)
-        for process in self.started:
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
-        for pid in self.strays:  # only pids our own processes started
-            if _alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-
-
 @pytest.fixture
 def env() -> dict[str, str]:
     return {
         **os.environ,
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYSPARK_PYTHON": sys.executable,  # the Spark driver's Python: this one
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]),
+        # this module, which the readers import for its tasks, imports multiproc
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), str(HERE.parent / "integration")]),
     }
 
 
 @pytest.fixture
 def processes(tmp_path: Path, env: dict[str, str]) -> Iterator[Processes]:
-    started = Processes(tmp_path, env)
-    try:
+    with Processes(tmp_path, env) as started:
         yield started
-    finally:
-        started.close()
-
-
-def _init(url: str, env: Mapping[str, str]) -> None:
-    """`scheduler-lib init --db URL`: the broker, the scheduler, the default target."""
-    result = subprocess.run(
-        [CLI, "init", "--db", url], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert result.returncode == 0, result.stderr
 
 
 def _serve(url: str, processes: Processes, name: str = "serve") -> subprocess.Popen[bytes]:
     """`scheduler-lib serve --db URL`, once it monitors the target queue."""
     since = time.time()
     serve = processes.start(name, "serve", "--db", url)
-    with Broker(url, timers=False) as watcher:
-        _wait_for(
-            lambda: (
-                serve.poll() is not None
-                or any(
-                    m["queue_name"] == TARGET_QUEUE and float(m["updated_at"]) >= since
-                    for m in watcher.queue_monitors()
-                )
-            ),
-            SERVED,
-            f"`scheduler-lib {name}` to monitor the target queue",
-        )
-    assert serve.poll() is None, processes.output(serve)
+    processes.wait_monitored(serve, url, SERVED, queue=TARGET_QUEUE, since=since)
     return serve
 
 
@@ -349,7 +222,7 @@ def test_run_killed_while_the_database_is_down(
     """
     url = private_db_url
     marks, gate = tmp_path / "marks", tmp_path / "gate"
-    _init(url, env)
+    init(url, env)
     serve = _serve(url, processes)
     first, second = ["w1a", "w1b"], ["w2a", "w2b"]
     plan = _plan(
@@ -358,7 +231,7 @@ def test_run_killed_while_the_database_is_down(
     )
     # Given `run` with both tasks of its first wave running in `serve`
     run = processes.start("run", "run", str(plan), "--db", url, "--json")
-    _wait_for(
+    poll(
         lambda: all(_count(marks, "start", n) for n in first) or run.poll() is not None,
         STARTED,
         "both first-wave tasks to start",
@@ -368,7 +241,7 @@ def test_run_killed_while_the_database_is_down(
     private_postgres.stop()
     processes.kill(run)
     gate.touch()
-    _wait_for(
+    poll(
         lambda: all(_count(marks, "end", n) for n in first),
         30,
         "the first-wave tasks to end while the server is down",
@@ -380,7 +253,7 @@ def test_run_killed_while_the_database_is_down(
         rows = _rows(url)
         return rows if all(rows[n]["status"] in ENDED for n in first) else None
 
-    rows = _wait_for(ended, 60, "the first wave's rows to end")
+    rows = poll(ended, 60, "the first wave's rows to end")
     for name in first:
         row = rows[name]
         assert (row["status"], row["attempts"], row["error"]) == ("SUCCEEDED", 1, None), row
@@ -427,7 +300,7 @@ def test_run_killed_while_the_database_is_down(
         progress = scheduler.wave_progress(attached, [rows[n]["log_id"] for n in first])
         assert progress.done and {t.status for t in progress.tasks} == {"SUCCEEDED"}, progress
         scheduler.release_scheduler(attached)
-        _wait_for(lambda: not endpoints(), 60, "the released conversation's endpoints to go")
+        poll(lambda: not endpoints(), 60, "the released conversation's endpoints to go")
     assert _rows(url) == rows  # releasing a finished scheduler changes no row
     assert serve.poll() is None, processes.output(serve)
 
@@ -457,7 +330,7 @@ def test_serve_killed_while_the_database_is_down(
     """
     url = private_db_url
     marks, gate = tmp_path / "marks", tmp_path / "gate"  # the gate is never opened
-    _init(url, env)
+    init(url, env)
     doomed = _serve(url, processes, "serve-killed")
     plan = _plan(
         tmp_path / "plan.yaml",
@@ -473,7 +346,7 @@ def test_serve_killed_while_the_database_is_down(
         rows = _rows(url)
         return "quick" in rows and rows["quick"]["status"] == "SUCCEEDED"
 
-    _wait_for(
+    poll(
         lambda: (_count(marks, "start", "lost") and quick_done()) or run.poll() is not None,
         STARTED,
         "`lost` to start and `quick` to succeed",
@@ -495,11 +368,11 @@ def test_serve_killed_while_the_database_is_down(
         row = _rows(url)["lost"]
         return row if row["status"] != "RUNNING" else None
 
-    lost = _wait_for(
+    lost = poll(
         lost_ended,
         LOST,
         "the orphaned task's row to end",
-        lambda: (_rows(url)["lost"], _marks(marks), processes.output(serve)),
+        explain=lambda: (_rows(url)["lost"], _marks(marks), processes.output(serve)),
     )
     print(f"`lost` failed {lost['end_time'] - restarted_at:.1f} s after the restart")
     assert lost["status"] == "FAILED" and "worker lost" in (lost["error"] or ""), lost
@@ -530,11 +403,11 @@ def test_serve_killed_while_the_database_is_down(
     ], found
     assert {pid for *_, pid in found} == {doomed.pid}, found
     # And the dead `serve`'s readers are gone from activated_tasks, and from `status`
-    _wait_for(
+    poll(
         lambda: not dead_readers & {t["task_id"] for t in _activated(url)},
         HEARTBEAT_EXPIRY + 30,
         "the dead serve's activated_tasks rows to go",
-        lambda: _activated(url),
+        explain=lambda: _activated(url),
     )
     status = _status(url, env)
     assert [r for r in status["execution_status"] if r["process_id"] == doomed.pid] == []
@@ -568,18 +441,13 @@ def test_spark_worker_killed_while_the_database_is_down(
     """
     url = private_db_url
     marks, gate = tmp_path / "marks", tmp_path / "gate"  # the gate is never opened
-    _init(url, env)
+    init(url, env)
     worker_args = ["--db", url, "--master", "local[1]", "--max-readers", "1"]
     worker_args += ["--conf", "spark.ui.enabled=false"]
 
     def start_worker(name: str) -> subprocess.Popen[bytes]:
         worker = processes.start(name, "worker", *worker_args)
-        _wait_for(
-            lambda: "worker serving" in processes.stdout(worker) or worker.poll() is not None,
-            SPARK_UP,
-            f"`scheduler-lib worker` ({name}) to serve",
-        )
-        assert worker.poll() is None, processes.output(worker)
+        processes.wait_said(worker, "worker serving", SPARK_UP)
         return worker
 
     doomed = start_worker("worker-killed")
@@ -589,7 +457,7 @@ def test_spark_worker_killed_while_the_database_is_down(
     )
     # Given `run` waiting for a pyspark task running on the worker
     run = processes.start("run", "run", str(plan), "--db", url, "--json")
-    _wait_for(
+    poll(
         lambda: _count(marks, "start", "lost") or run.poll() is not None,
         STARTED,
         "the pyspark task to start",
@@ -613,11 +481,11 @@ def test_spark_worker_killed_while_the_database_is_down(
         row = _rows(url)["lost"]
         return row if row["status"] != "RUNNING" else None
 
-    lost = _wait_for(
+    lost = poll(
         lost_ended,
         LOST,
         "the orphaned pyspark task's row to end",
-        lambda: (_rows(url)["lost"], _marks(marks), processes.output(worker)),
+        explain=lambda: (_rows(url)["lost"], _marks(marks), processes.output(worker)),
     )
     print(f"`lost` failed {lost['end_time'] - restarted_at:.1f} s after the restart")
     assert lost["status"] == "FAILED" and "worker lost" in (lost["error"] or ""), lost
@@ -638,11 +506,11 @@ def test_spark_worker_killed_while_the_database_is_down(
     assert [(what, name, pid) for what, name, pid in found] == [("start", "lost", doomed.pid)]
     assert {n: r["status"] for n, r in _rows(url).items()} == {"lost": "FAILED"}
     # And the dead driver's readers leave activated_tasks; `status` shows nothing running
-    _wait_for(
+    poll(
         lambda: not dead_readers & {t["task_id"] for t in _activated(url)},
         HEARTBEAT_EXPIRY + 30,
         "the dead worker's activated_tasks rows to go",
-        lambda: _activated(url),
+        explain=lambda: _activated(url),
     )
     status = _status(url, env)
     assert [r for r in status["execution_status"] if r["log_id"] is not None] == [], status
@@ -651,4 +519,4 @@ def test_spark_worker_killed_while_the_database_is_down(
     assert worker.poll() is None, processes.output(worker)
     # (and the dead driver's JVM followed it: Spark's gateway exits when its Python
     # parent is gone, so a killed driver leaves nothing running behind)
-    _wait_for(lambda: not [p for p in jvm if _alive(p)], 60, "the dead driver's JVM to exit")
+    poll(lambda: not [p for p in jvm if alive(p)], 60, "the dead driver's JVM to exit")

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from marking_tasks import marks
+from multiproc import poll
 from private_postgres import PrivatePostgres
 
 from scheduler_lib.broker import Broker, ConnectionLost
@@ -53,14 +54,6 @@ LEASE = 2.0  # the executor's lease (renewed every third of it)
 TASK_SECONDS = 0.3
 SYNC_TIMEOUT = 15.0  # seconds synchronization waits for one completion
 WAIT = 30.0  # seconds any other wait may take before the test fails
-
-
-def _wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,7 +406,7 @@ def _round_trip(
         assert trap.settled.wait(WAIT), f"the point {trap.point} was never reached"
     if trap is not None and arm == "answered":
         # The answers wait on the caller's queue: the next RECEIVE is the one to take them
-        _wait_for(lambda: worker.handled == len(tasks), WAIT, "the executor to answer")
+        poll(lambda: worker.handled == len(tasks), WAIT, "the executor to answer")
         worker.finish()
         trap.arm()
     completions = [scheduler.synchronization(handle, timeout=SYNC_TIMEOUT) for _ in tasks]

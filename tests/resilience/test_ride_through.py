@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from marking_tasks import marks
+from multiproc import poll
 from private_postgres import PrivatePostgres
 
 from scheduler_lib.broker import Broker, DatabaseUnavailable, activation
@@ -25,14 +26,6 @@ pytestmark = pytest.mark.postgres
 
 HERE = Path(__file__).parent
 CLI = str(Path(sys.executable).parent / "scheduler-lib")
-
-
-def _wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -51,7 +44,7 @@ def _restart_when(
     seconds (the outage) and start it again."""
 
     def run() -> None:
-        _wait_for(condition, 60, "the moment to stop the server")
+        poll(condition, 60, "the moment to stop the server")
         server.stop_for(down)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -190,7 +183,7 @@ def test_a_lease_is_not_expired_for_an_outage_longer_than_it(
             expirer.fire_timers()
             return dead[0].lease_id not in {r["lease_id"] for r in expirer.leases()}
 
-        _wait_for(dead_expired, 30, "the unrenewed lease to expire")
+        poll(dead_expired, 30, "the unrenewed lease to expire")
         assert time.time() - back >= 1.5
         assert live[0].lease_id in {r["lease_id"] for r in expirer.leases()}
         history = holder.failure_history(dead[0].message)
@@ -227,12 +220,12 @@ def test_a_reader_that_ends_while_the_server_is_down_leaves_no_row(
     broker.create_service("S", "Q", ["C"])
     with activation.running(broker, heartbeat_interval=0.5, check_interval=0.2) as runtime:
         broker.send(broker.begin_dialog("S", "S", "C"), "Work", b"x")
-        _wait_for(lambda: runtime.readers == 1, 20, "a reader")
+        poll(lambda: runtime.readers == 1, 20, "a reader")
         assert len(broker.activated_tasks()) == 1
         # Given the reader ends while the server is down (it cannot remove its row)
         private_postgres.stop()
         flag.touch()
-        _wait_for(lambda: runtime.readers == 0, 20, "the reader to end")
+        poll(lambda: runtime.readers == 0, 20, "the reader to end")
         private_postgres.start()
         # Then once the server is back, no row says it still runs
-        _wait_for(lambda: broker.activated_tasks() == [], 20, "its row to go")
+        poll(lambda: broker.activated_tasks() == [], 20, "its row to go")

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from faultproxy import FaultProxy, Faults
-from multiproc import Output, poll
+from multiproc import poll
 from transport_catalog import CONTRACT, INITIATOR, KEY, REQUEST, TARGET
 from transport_catalog import TARGET_QUEUE as B_QUEUE
 
+from bench.processes import Processes
 from scheduler_lib.broker import Broker
 
 CONVERSATIONS = 100
@@ -33,78 +33,44 @@ def free_port() -> int:
 
 
 class Serve:
-    """``scheduler-lib serve --listen`` in a process of its own, restartable."""
+    """``scheduler-lib serve --listen`` in a process of its own, restartable; stopped with
+    the ``processes`` it is started in."""
 
-    def __init__(self, url: str, port: int, advertise: str) -> None:
-        self.args = [
-            sys.executable,
-            "-m",
-            "scheduler_lib.cli",
-            "serve",
-            "--db",
-            url,
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--advertise",
-            advertise,
-            "--retry-initial",
-            "0.3",
-            "--retry-max",
-            "2",
-        ]
-        self.process: subprocess.Popen[str] | None = None
-        self.output: Output | None = None
+    def __init__(self, processes: Processes, url: str, port: int, advertise: str) -> None:
+        self.processes, self.name = processes, f"serve-{port}"
+        self.args = ["serve", "--db", url, "--listen", f"127.0.0.1:{port}"]
+        self.args += ["--advertise", advertise, "--retry-initial", "0.3", "--retry-max", "2"]
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
 
     def start(self) -> None:
-        env = {**os.environ, "SCHEDULER_LIB_TRANSPORT_KEY": KEY}
-        self.process = subprocess.Popen(
-            self.args,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        output = self.output = Output(self.process.stdout)
-        poll(lambda: output.has("listening at") or self.process.poll() is not None, 60, "serve")
-        assert self.process.poll() is None, output.tail()
+        self.starts += 1
+        self.process = self.processes.start(f"{self.name}-{self.starts}", *self.args)
+        self.processes.wait_said(self.process, "listening at", 60)
 
     def kill(self) -> None:
         assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        self.processes.kill(self.process)
 
 
 @pytest.fixture
 def serving(
-    pair: tuple[Broker, Broker], pair_urls: tuple[str, str]
+    pair: tuple[Broker, Broker], pair_urls: tuple[str, str], tmp_path: Path
 ) -> Iterator[tuple[Serve, Serve]]:
     a, b = pair
     port_a, port_b = free_port(), free_port()
     with (
         FaultProxy(("127.0.0.1", port_b), FAULTS, seed=3) as to_b,
         FaultProxy(("127.0.0.1", port_a), FAULTS, seed=4) as to_a,
+        Processes(tmp_path, {**os.environ, "SCHEDULER_LIB_TRANSPORT_KEY": KEY}) as processes,
     ):
         a.create_route("to target", TARGET, to_b.address)
         b.create_route("to initiator", INITIATOR, to_a.address)
-        serve_a = Serve(pair_urls[0], port_a, to_a.address)
-        serve_b = Serve(pair_urls[1], port_b, to_b.address)
-        try:
-            serve_a.start()
-            serve_b.start()
-            yield serve_a, serve_b
-        finally:
-            serve_a.stop()
-            serve_b.stop()
+        serve_a = Serve(processes, pair_urls[0], port_a, to_a.address)
+        serve_b = Serve(processes, pair_urls[1], port_b, to_b.address)
+        serve_a.start()
+        serve_b.start()
+        yield serve_a, serve_b
 
 
 @pytest.mark.slow
