@@ -3,5 +3,5 @@ FROM python:3.11.14-slim-bookworm
 WORKDIR /opt/scheduler_lib
 COPY pyproject.toml constraints.txt README.md ./
 COPY scheduler_lib ./scheduler_lib
-RUN pip install --no-cache-dir -c constraints.txt .
+RUN pip install --no-cache-dir -c constraints.txt ".[binary]"
 ENTRYPOINT ["scheduler-lib"]

@@ -6,19 +6,48 @@ BENCH_STAMP := $(BENCH_VENV)/.installed
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-quick lint bench bench-venv bench-components sql clean demo
+.PHONY: venv test test-quick test-lowest constraints-lowest lint bench bench-venv bench-components sql clean demo
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[airflow,demo,dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[airflow,spark,spark-submit,binary,demo,dev]"
 	touch $(STAMP)
 
 ## The whole suite (PostgreSQL tests skip locally without a server; CI=true makes them mandatory).
 test: $(STAMP)
 	$(PY) -m pytest
+
+## The provider's tests on the lowest Airflow and Python that pyproject.toml declares, in a venv
+## of their own pinned by constraints-lowest.txt (.ci/run runs it after `make test`). The package
+## is installed as users install it (`pip install .`, not editable), again on every run.
+LOWEST_VENV := .venv-lowest
+LOWEST_STAMP := $(LOWEST_VENV)/.installed
+LOWEST_PYTHON ?= python3.10
+
+test-lowest: $(LOWEST_STAMP)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall .
+	$(LOWEST_VENV)/bin/python -m pytest tests/airflow -m "not e2e" -p no:cacheprovider
+
+$(LOWEST_STAMP): pyproject.toml constraints-lowest.txt .ci/lowest.in
+	test -x $(LOWEST_VENV)/bin/python || $(LOWEST_PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LOWEST_VENV)/bin/python -m pip install --quiet -c constraints-lowest.txt ".[airflow,binary]" -r .ci/lowest.in
+	touch $(LOWEST_STAMP)
+
+## Write constraints-lowest.txt again from PyPI, as of the lowest Airflow's release day (uv).
+constraints-lowest:
+	head -n 5 constraints-lowest.txt > constraints-lowest.txt.new
+	uv pip compile --python-version 3.10 --exclude-newer 2025-10-24T00:00:00Z \
+	  --exclude-newer-package apache-airflow=2025-10-28T00:00:00Z \
+	  --exclude-newer-package apache-airflow-core=2025-10-28T00:00:00Z \
+	  --exclude-newer-package apache-airflow-task-sdk=2025-10-28T00:00:00Z \
+	  --exclude-newer-package apache-airflow-providers-common-compat=2026-01-18T00:00:00Z \
+	  pyproject.toml --extra airflow --extra binary .ci/lowest.in --no-header --no-annotate \
+	  >> constraints-lowest.txt.new
+	mv constraints-lowest.txt.new constraints-lowest.txt
 
 ## The main job on the embedded default: the blog's waves as Spark SQL on SQLite + local[*].
 demo: $(STAMP)
@@ -68,4 +97,4 @@ sql: $(STAMP)
 	$(PY) -m scheduler_lib.cli ddl --dialect sqlite --schema scheduler > sql/scheduler_sqlite.sql
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LOWEST_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -21,7 +21,7 @@ COPY scheduler_lib /opt/scheduler_lib/src/scheduler_lib
 # the environment's path instead of a second copy of Spark from PyPI.
 RUN set -ex; \
     /opt/scheduler_lib/venv/bin/pip install --no-cache-dir \
-        -c /opt/scheduler_lib/src/constraints.txt /opt/scheduler_lib/src; \
+        -c /opt/scheduler_lib/src/constraints.txt "/opt/scheduler_lib/src[binary]"; \
     site="$(/opt/scheduler_lib/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
     { echo "${SPARK_HOME}/python"; ls "${SPARK_HOME}"/python/lib/py4j-*-src.zip; } > "${site}/spark.pth"; \
     /opt/scheduler_lib/venv/bin/python -c "import pyspark, scheduler_lib; print(pyspark.__version__)"

@@ -29,12 +29,12 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from airflow.sdk import BaseOperator, Context, TriggerRule
-from airflow.sdk.exceptions import (
+from airflow.providers.common.compat.sdk import (  # the same names on every Airflow 3 release
     AirflowException,
     AirflowFailException,
     AirflowNotFoundException,
 )
+from airflow.sdk import BaseOperator, Context, TriggerRule
 
 from scheduler_lib.airflow import hooks, sensors, triggers
 from scheduler_lib.broker import DatabaseUnavailable

@@ -20,9 +20,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from airflow.providers.common.compat.sdk import AirflowException, AirflowFailException, conf
 from airflow.sdk import BaseSensorOperator, Context, PokeReturnValue
-from airflow.sdk.configuration import conf
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from scheduler_lib.airflow import hooks, triggers
 from scheduler_lib.scheduler import WaveProgress

@@ -5,14 +5,23 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import sys
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from scheduler_lib.broker.exceptions import QueueDisabled
 
+if sys.version_info >= (3, 11):
+    StrEnum = enum.StrEnum
+else:  # Python 3.10 (Airflow 3.1 supports it): the same behaviour, as 3.11 defines it
 
-class Validation(enum.StrEnum):
+    class StrEnum(str, enum.Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+class Validation(StrEnum):
     """How a message type's bodies are checked on SEND."""
 
     NONE = "NONE"
@@ -21,7 +30,7 @@ class Validation(enum.StrEnum):
     JSON = "JSON"
 
 
-class SentBy(enum.StrEnum):
+class SentBy(StrEnum):
     """Which side of a conversation may send a message type under a contract."""
 
     INITIATOR = "INITIATOR"
@@ -29,7 +38,7 @@ class SentBy(enum.StrEnum):
     ANY = "ANY"
 
 
-class EndpointState(enum.StrEnum):
+class EndpointState(StrEnum):
     """Conversation endpoint states, with SQL Server's two-letter codes."""
 
     STARTED_OUTBOUND = "SO"  # initiator: began, nothing received yet

@@ -82,6 +82,8 @@ def scheduler_lib_conn(
 def spark_worker(scheduler_lib_conn: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``scheduler-lib worker`` on the test's broker: a real Spark driver (``local[2]``)
     in its own process, serving spark_sql, python and sql tasks with up to 4 readers."""
+    # The lowest-Airflow job installs what Airflow's environment needs, without Spark.
+    pytest.importorskip("pyspark", reason="Spark is not installed (the `spark` extra)")
     warehouse = tmp_path / "warehouse"
     with Processes(tmp_path, {**os.environ, "PYSPARK_PYTHON": sys.executable}) as processes:
         worker = processes.start(

@@ -42,7 +42,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 import structlog.testing
-from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
+from airflow.providers.common.compat.sdk import AirflowException, AirflowFailException, TaskDeferred
 from multiproc import poll
 
 from bench.private_postgres import PrivatePostgres, unavailable_reason
