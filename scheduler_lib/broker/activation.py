@@ -190,6 +190,7 @@ class ActivationRuntime:
         self._listening: set[str] = set()
         self._failed_at: dict[str, float] = {}  # queue -> when a reader last failed
         self._saturated: dict[str, bool] = {}  # queue -> messages wait, no reader may start
+        self._warned_serial: set[str] = set()  # SQLite queues already warned about
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -359,6 +360,7 @@ class ActivationRuntime:
                 and info.activation_procedure
                 and info.activation_procedure not in self.skip_procedures
             ):
+                self._warn_serial(info)
                 wanted = self._readers_wanted(tx, info, monitor, running, nobody_waiting, now)
                 # A procedure that just failed is not restarted in a hot loop.
                 if now - self._failed_at.get(queue, float("-inf")) < self.empty_grace:
@@ -397,6 +399,29 @@ class ActivationRuntime:
             self._starting.difference_update(t for t, _ in started)
         self._saturated[queue] = full
         return Decision(queue, True, running, len(started), posted, info.is_activation_eager)
+
+    def _warn_serial(self, info: QueueInfo) -> None:
+        """Say once per queue that SQLite runs its readers one at a time: a reader that
+        RECEIVEs inside its transaction holds the whole database's write lock until it
+        commits, so a second reader (and every sender) waits for it. Eager queues' readers
+        (the scheduler's executors) take messages under leases in short transactions, and
+        one reader cannot be serialized with itself."""
+        if (
+            self.broker.dialect != "sqlite"
+            or info.is_activation_eager
+            or info.max_readers <= 1
+            or info.name in self._warned_serial
+        ):
+            return
+        self._warned_serial.add(info.name)
+        log.warning(
+            "queue %s: max_queue_readers=%d on SQLite, but SQLite's lock is the whole "
+            "database: a reader working inside its transaction blocks the other readers and "
+            "every sender until it commits (docs/broker.md, Transactions). Use PostgreSQL "
+            "for readers in parallel.",
+            info.name,
+            info.max_readers,
+        )
 
     def _readers_wanted(
         self,
