@@ -308,9 +308,25 @@ class ConversationOperations:
                 raise exceptions.ConversationGroupNotFound(
                     f"conversation group {group_id} is not a group of queue {endpoint.queue_name!r}"
                 )
-            old = str(endpoint.conversation_group_id)
-            if old == group_id:
-                return
+            # Both groups' locks before any write, in group id order (two MOVEs between
+            # the same groups wait for each other instead of deadlocking): a transaction
+            # holding either group (RECEIVE, GET CONVERSATION GROUP) is waited for, as in
+            # SQL Server. The endpoint is read again under them: it may have moved meanwhile.
+            locked: set[str] = set()
+            while True:
+                old = str(endpoint.conversation_group_id)
+                if old == group_id:
+                    return
+                for group_to_lock in sorted({old, group_id} - locked):
+                    if tx._scalar("group_lock", group_id=group_to_lock) is not None:
+                        locked.add(group_to_lock)
+                    elif group_to_lock == group_id:  # emptied and dropped while we waited
+                        raise exceptions.ConversationGroupNotFound(
+                            f"conversation group {group_id} no longer exists"
+                        )
+                endpoint = tx._endpoint(handle)
+                if str(endpoint.conversation_group_id) == old:
+                    break
             tx._execute("endpoint_move", handle=handle, group_id=group_id)
             tx._execute("messages_move", handle=handle, group_id=group_id)
             tx._execute("group_delete_if_empty", group_id=old)

@@ -81,7 +81,8 @@ WHERE conversation_id = :conversation_id ORDER BY is_initiator DESC
 FOR UPDATE;
 
 -- name: group_lock
--- END CONVERSATION waits for the conversation group lock, as RECEIVE holds it.
+-- END CONVERSATION and MOVE CONVERSATION wait for the conversation group lock, as RECEIVE
+-- holds it (MOVE takes both groups', in group id order). No row: the group is gone.
 SELECT conversation_group_id FROM conversation_groups WHERE conversation_group_id = :group_id
 FOR UPDATE;
 
