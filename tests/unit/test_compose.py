@@ -163,9 +163,7 @@ def test_compose_services_are_pinned_and_wired(compose: dict[str, Any]) -> None:
         path.name: re.findall(r"^FROM (\S+)", path.read_text(), re.M)
         for path in (ROOT / "docker").glob("*.Dockerfile")
     }
-    assert froms["airflow.Dockerfile"] == [
-        f"apache/airflow:{airflow_version[1]}-python3.11"
-    ]
+    assert froms["airflow.Dockerfile"] == [f"apache/airflow:{airflow_version[1]}-python3.11"]
     assert froms["spark.Dockerfile"] == [services["spark-master"]["image"]]
     for path in [ROOT / "Dockerfile", *(ROOT / "docker").glob("*.Dockerfile")]:
         text = path.read_text()
