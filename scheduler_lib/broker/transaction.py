@@ -42,7 +42,11 @@ T = TypeVar("T")
 
 LIFETIME_EXPIRED_CODE = -8489  # SQL Server's code for "the dialog has exceeded its LIFETIME"
 QUEUE_RECHECK = 1.0  # seconds a waiting RECEIVE trusts the queue's settings
-TIMER_MESSAGE_SEQUENCE = -1  # DialogTimer and lifetime errors are local: no sequence number
+# DialogTimer and the lifetime Error are local (no number of the far side's): they sort
+# ahead of their conversation's messages, the timer first, as SQL Server receives them.
+DIALOG_TIMER_SEQUENCE = -2
+LIFETIME_ERROR_SEQUENCE = -1
+LIFETIME_RETRY = 1.0  # seconds before expiry looks again at an ended endpoint whose group is held
 
 
 class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, RouteOperations):
@@ -843,10 +847,24 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         for row in self._all("timers_due", now=now, limit=limit):
             self._execute("timer_clear", handle=row["conversation_handle"])
             self._enqueue(
-                row, row["conversation_handle"], TIMER_MESSAGE_SEQUENCE, DIALOG_TIMER, None
+                row, row["conversation_handle"], DIALOG_TIMER_SEQUENCE, DIALOG_TIMER, None
             )
             fired += 1
         for row in self._all("lifetimes_due", now=now, limit=limit):
+            if row["state"] == EndpointState.DISCONNECTED_OUTBOUND.value:
+                # This side already ended: the lifetime bounds its wait for the far side's
+                # END. It closes; nobody is told (its application has left the conversation).
+                if self._one("group_try_lock", group_id=row["conversation_group_id"]) is None:
+                    retry_at = now + LIFETIME_RETRY
+                    self._execute(
+                        "lifetime_retry", handle=row["conversation_handle"], retry_at=retry_at
+                    )
+                    self._deadline(retry_at)
+                    self._wrote = True
+                    continue
+                self._close(ConversationEndpoint.from_row(row))
+                fired += 1
+                continue
             self._execute("lifetime_expire", handle=row["conversation_handle"])
             body = json.dumps(
                 {
@@ -854,7 +872,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                     "description": "The dialog has exceeded its lifetime.",
                 }
             ).encode()
-            self._enqueue(row, row["conversation_handle"], TIMER_MESSAGE_SEQUENCE, ERROR, body)
+            self._enqueue(row, row["conversation_handle"], LIFETIME_ERROR_SEQUENCE, ERROR, body)
             fired += 1
         self._wrote = self._wrote or fired > 0
         return fired

@@ -514,11 +514,23 @@ ORDER BY timer_due_at
 LIMIT :limit;
 
 -- name: lifetimes_due
--- Conversations whose lifetime has run out.
+-- Endpoints whose lifetime has run out: open ones (SO, SI, CO) get the lifetime Error; one
+-- this side already ended (DO) is closed. DI and ER already hold the message that tells
+-- their application to END (next_deadline uses the same states).
 SELECT * FROM conversation_endpoints
-WHERE lifetime_expires_at IS NOT NULL AND state <> 'ER' AND lifetime_expires_at <= :now
+WHERE lifetime_expires_at IS NOT NULL AND state IN ('SO', 'SI', 'CO', 'DO')
+AND lifetime_expires_at <= :now
 ORDER BY lifetime_expires_at
 LIMIT :limit;
+
+-- name: group_try_lock
+-- The group lock if nobody holds it (lifetime expiry never waits; a no-op on SQLite).
+SELECT conversation_group_id FROM conversation_groups WHERE conversation_group_id = :group_id;
+
+-- name: lifetime_retry
+-- A due endpoint whose group another transaction holds: look again at :retry_at.
+UPDATE conversation_endpoints SET lifetime_expires_at = :retry_at
+WHERE conversation_handle = :handle;
 
 -- name: lifetime_expire
 -- Put an endpoint whose lifetime ran out into the error state; it sends nothing more.
@@ -536,7 +548,7 @@ SELECT min(t) FROM (
     SELECT min(timer_due_at) AS t FROM conversation_endpoints WHERE timer_due_at IS NOT NULL
     UNION ALL
     SELECT min(lifetime_expires_at) FROM conversation_endpoints
-    WHERE lifetime_expires_at IS NOT NULL AND state <> 'ER'
+    WHERE lifetime_expires_at IS NOT NULL AND state IN ('SO', 'SI', 'CO', 'DO')
     UNION ALL
     SELECT min(expires_at) FROM message_leases
     UNION ALL

@@ -67,11 +67,19 @@ LIMIT :limit
 FOR UPDATE SKIP LOCKED;
 
 -- name: lifetimes_due
--- Conversations whose lifetime has run out.
+-- Endpoints whose lifetime has run out (states as in queries.sql); other processes' timer
+-- threads skip these rows.
 SELECT * FROM conversation_endpoints
-WHERE lifetime_expires_at IS NOT NULL AND state <> 'ER' AND lifetime_expires_at <= :now
+WHERE lifetime_expires_at IS NOT NULL AND state IN ('SO', 'SI', 'CO', 'DO')
+AND lifetime_expires_at <= :now
 ORDER BY lifetime_expires_at
 LIMIT :limit
+FOR UPDATE SKIP LOCKED;
+
+-- name: group_try_lock
+-- The group lock if nobody holds it: lifetime expiry already holds an endpoint row, so it
+-- never waits for a group (END waits the other way round: group, then endpoints).
+SELECT conversation_group_id FROM conversation_groups WHERE conversation_group_id = :group_id
 FOR UPDATE SKIP LOCKED;
 
 -- name: endpoints_lock
