@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
+import math
 import os
 import signal
+import sqlite3
 import sys
 import threading
-import time
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 import sqlalchemy as sa
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 
 from scheduler_lib import __version__, scheduler
 from scheduler_lib.broker import (
@@ -22,6 +28,8 @@ from scheduler_lib.broker import (
     CannotConnect,
     DatabaseUnavailable,
     InvalidArgument,
+    PoisonMessage,
+    QueueInfo,
     activation,
     connections,
     engine,
@@ -30,14 +38,109 @@ from scheduler_lib.broker import (
 )
 from scheduler_lib.scheduler import reporting
 
+T = TypeVar("T")
 DB_ENV = "SCHEDULER_LIB_DB"  # default for --db
 INT_MAX = 2**31 - 1  # the largest count or limit an argument may give
 ID_MAX = 2**63 - 1  # the largest id (a BIGINT)
+# The schemas a command may need, by the name its errors give them.
+SCHEMAS = {"broker": schema.BROKER, "scheduler": scheduler.MIGRATIONS}
+
+
+class NoSchema(BrokerError):
+    """The database has no scheduler_lib schema, or an older one than this version
+    needs: ``scheduler-lib init`` creates or upgrades it."""
+
+
+def _open(args: argparse.Namespace, *needs: str) -> Broker:
+    """The broker of a command that reads or administers an existing database (status,
+    queues, poison, routes): opened without migrating and without timers, once its
+    schemas (``needs``, by default the broker's) are there and current — so it creates
+    nothing, not even an SQLite file.
+
+    :raises NoSchema: a missing SQLite file, a missing or older schema
+    """
+    url = engine.normalize_url(args.db)  # a malformed URL: said without its password
+    _check_schemas(url, needs or ("broker",))
+    return Broker(url, migrate=False, timers=False)
+
+
+def _check_schemas(url: sa.URL, needs: Sequence[str]) -> None:
+    shown = url.render_as_string(hide_password=True)
+    fix = f"scheduler-lib init --db {shown}"
+    if url.get_backend_name() == "sqlite" and not Path(url.database or "").is_file():
+        raise NoSchema(f"{shown}: no such database file: create it with: {fix}")
+    for name, current in zip(needs, _revisions(url, needs), strict=True):
+        migrations = SCHEMAS[name]
+        head = schema.head(migrations)
+        if current is None:
+            what = "scheduler_lib" if name == "broker" else name
+            raise NoSchema(f"{shown} has no {what} schema: create it with: {fix}")
+        if current == head:
+            continue
+        if current in _known_revisions(migrations):
+            raise NoSchema(
+                f"{shown}: its {name} schema is at revision {current}, scheduler-lib "
+                f"{__version__} needs {head}: upgrade it with: {fix}"
+            )
+        raise NoSchema(
+            f"{shown}: its {name} schema is at revision {current}, which scheduler-lib "
+            f"{__version__} does not know (it needs {head}): a newer version made it; use that"
+        )
+
+
+def _revisions(url: sa.URL, needs: Sequence[str]) -> list[str | None]:
+    """The revision each schema is at (``None``: not there), read without writing: an
+    SQLite file is opened read-only (the broker's own connections would switch a
+    foreign file to WAL); a PostgreSQL server that is away is waited for, as the
+    broker's operations wait (``--reconnect-timeout``)."""
+    if url.get_backend_name() == "sqlite":
+        uri = Path(url.database or "").resolve().as_uri() + "?mode=ro"
+        eng = sa.create_engine(
+            url, creator=lambda: sqlite3.connect(uri, uri=True), poolclass=sa.pool.NullPool
+        )
+    else:
+        eng = engine.create_engine(url)
+
+    def read() -> list[str | None]:
+        try:
+            with connections.connect(eng) as conn:
+                return [
+                    MigrationContext.configure(
+                        conn, opts={"version_table": SCHEMAS[name].version_table}
+                    ).get_current_revision()
+                    for name in needs
+                ]
+        except sa.exc.DBAPIError as exc:
+            if connections.is_lost(exc):
+                raise connections.lost("read the schema's revision", exc) from exc
+            raise
+
+    try:
+        return _riding(eng, read, "read the schema's revision")
+    finally:
+        eng.dispose()
+
+
+def _riding(eng: sa.Engine, call: Callable[[], T], what: str) -> T:
+    """``call()`` on an engine of the command's own, riding through an outage as the
+    broker's operations do (until ``--reconnect-timeout``); a setting that waiting will
+    not fix is one line naming the database (``CannotConnect``)."""
+    timeout = connections.reconnect_timeout()
+    availability = connections.Availability(eng.url, timeout, threading.Event(), lambda: [eng])
+    return availability.retrying(call, what=what)
+
+
+def _known_revisions(migrations: schema.MigrationSet) -> set[str]:
+    config = Config()
+    config.set_main_option("script_location", migrations.script_location)
+    return {script.revision for script in ScriptDirectory.from_config(config).walk_revisions()}
 
 
 def _init(args: argparse.Namespace) -> int:
     eng = engine.create_engine(args.db)
     try:
+        # (a stack's init may start before its server: it waits, as everything else does)
+        _riding(eng, lambda: connections.connect(eng).close(), "connect")
         before = schema.current(eng)
         schema.migrate(eng)
         after = schema.current(eng)
@@ -47,13 +150,16 @@ def _init(args: argparse.Namespace) -> int:
         print(f"{eng.url.render_as_string()}: schema already at revision {after}")
     else:
         print(f"{eng.url.render_as_string()}: schema upgraded from {before or 'empty'} to {after}")
-    if args.scheduler:
-        with Broker(args.db, migrate=False, timers=False) as broker:
+    with Broker(args.db, migrate=False, timers=False) as broker:
+        # Named here, by the schema's owner, so that `routes`, which only reads, has the
+        # broker's identity to show.
+        print(f"broker instance {broker.broker_instance}")
+        if args.scheduler:
             scheduler.init(broker)
-        print(
-            "scheduler catalog ready: ServiceAsyncInitiator -> ServiceAsyncTarget "
-            "(kinds: sql, python)"
-        )
+            print(
+                "scheduler catalog ready: ServiceAsyncInitiator -> ServiceAsyncTarget "
+                "(kinds: sql, python)"
+            )
     return 0
 
 
@@ -84,7 +190,7 @@ def _status(args: argparse.Namespace) -> int:
     """What runs now (execution_status), the recent log and the semaphores."""
     from scheduler_lib.scheduler.reporting import print_status
 
-    with Broker(args.db, timers=False) as broker:
+    with _open(args, "broker", "scheduler") as broker:
         print_status(broker, limit=args.limit, as_json=args.json)
     return 0
 
@@ -114,7 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _transport_endpoint(broker: Broker, args: argparse.Namespace) -> transport.TransportEndpoint:
     """The endpoint ``serve --listen`` runs, from its flags."""
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    _log_to_stderr("%(asctime)s %(levelname)s %(message)s")
     server_ssl = client_ssl = None
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
@@ -133,79 +239,109 @@ def _transport_endpoint(broker: Broker, args: argparse.Namespace) -> transport.T
     )
 
 
+class _UtcFormatter(logging.Formatter):
+    """Log lines stamped as everything else this command prints: ISO 8601 in UTC."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return reporting.utc(record.created, "milliseconds")
+
+
+def _log_to_stderr(line_format: str) -> None:
+    """INFO and above to stderr, for the long-running commands (serve, worker)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(_UtcFormatter(line_format))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
 def _routes(args: argparse.Namespace) -> int:
     """Create, drop and list routes; show the transmission queue and transport events."""
-    with Broker(args.db, timers=False) as broker:
+    with _open(args) as broker:
         if args.action == "create":
             broker.create_route(
                 args.name, args.service, args.address, broker_instance=args.broker_instance
             )
         elif args.action == "drop":
             broker.drop_route(args.name)
-        print(f"broker instance {broker.broker_instance}")
-        rows: list[tuple[str, ...]] = [("route", "service", "broker instance", "address")]
-        for r in broker.routes():
-            rows.append(
-                (r.route_name, r.remote_service_name, r.broker_instance or "ANY", r.address)
-            )
-        _print_table(rows)
+        # Read, not made: a look at the routes writes nothing (`init` names the broker).
+        named = broker.fetch("setting_get", name="broker_instance")
+        instance: str | None = named[0]["setting_value"] if named else None
+        routes = broker.routes()
         outgoing = broker.fetch("outgoing_list", limit=args.limit)
-        if outgoing:
-            print()
-            out: list[tuple[str, ...]] = [
-                ("message", "to service", "seq", "type", "waiting since", "tries", "status")
-            ]
-            for m in outgoing:
-                out.append(
-                    (
-                        str(m["message_id"]),
-                        m["to_service_name"],
-                        str(m["message_sequence_number"]),
-                        m["message_type_name"],
-                        _when(m["enqueued_at"]),
-                        str(m["attempts"]),
-                        m["transmission_status"] or "in flight",
-                    )
-                )
-            _print_table(out)
-        connections = broker.fetch("transport_connection_list")
-        if connections:
-            print()
-            conn: list[tuple[str, ...]] = [
-                (
-                    "endpoint",
-                    "process",
-                    "direction",
-                    "peer",
-                    "peer broker",
-                    "since",
-                    "frames out/in",
-                    "corrupted",
-                    "carries",
-                )
-            ]
-            for c in connections:
-                conn.append(
-                    (
-                        c["endpoint_address"] or "-",
-                        f"{c['host_name']}:{c['process_id']}",
-                        c["direction"],
-                        c["peer_address"] or c["peer"],
-                        c["peer_broker"] or "-",
-                        _when(c["opened_at"]),
-                        f"{c['frames_sent']}/{c['frames_received']}",
-                        str(c["corrupted_frames"]),
-                        "yes" if c["carries_messages"] else "no",
-                    )
-                )
-            _print_table(conn)
+        links = broker.fetch("transport_connection_list")
         events = broker.fetch("transport_event_list", limit=args.limit)
-        if events:
-            print()
-            ev: list[tuple[str, ...]] = [("when", "event", "peer", "detail")]
-            for e in events:
-                ev.append((_when(e["occurred_at"]), e["event_type"], e["peer"] or "-", e["detail"]))
-            _print_table(ev)
+    if args.json:
+        reporting.write_json(
+            {
+                "broker_instance": instance,
+                "routes": [reporting.json_row(dataclasses.asdict(r)) for r in routes],
+                "outgoing": [reporting.json_row(m) for m in outgoing],
+                "transport_connections": [
+                    reporting.json_row({**c, "carries_messages": bool(c["carries_messages"])})
+                    for c in links
+                ],
+                "transport_events": [reporting.json_row(e) for e in events],
+            }
+        )
+        return 0
+    print(f"broker instance {instance or 'not named yet (scheduler-lib init names it)'}")
+    rows: list[tuple[str, ...]] = [("route", "service", "broker instance", "address")]
+    for r in routes:
+        rows.append((r.route_name, r.remote_service_name, r.broker_instance or "ANY", r.address))
+    _print_table(rows)
+    if outgoing:
+        print()
+        out: list[tuple[str, ...]] = [
+            ("message", "to service", "seq", "type", "waiting since", "tries", "status")
+        ]
+        for m in outgoing:
+            out.append(
+                (
+                    str(m["message_id"]),
+                    m["to_service_name"],
+                    str(m["message_sequence_number"]),
+                    m["message_type_name"],
+                    _when(m["enqueued_at"]),
+                    str(m["attempts"]),
+                    m["transmission_status"] or "in flight",
+                )
+            )
+        _print_table(out)
+    if links:
+        print()
+        conn: list[tuple[str, ...]] = [
+            (
+                "endpoint",
+                "process",
+                "direction",
+                "peer",
+                "peer broker",
+                "since",
+                "frames out/in",
+                "corrupted",
+                "carries",
+            )
+        ]
+        for c in links:
+            conn.append(
+                (
+                    c["endpoint_address"] or "-",
+                    f"{c['host_name']}:{c['process_id']}",
+                    c["direction"],
+                    c["peer_address"] or c["peer"],
+                    c["peer_broker"] or "-",
+                    _when(c["opened_at"]),
+                    f"{c['frames_sent']}/{c['frames_received']}",
+                    str(c["corrupted_frames"]),
+                    "yes" if c["carries_messages"] else "no",
+                )
+            )
+        _print_table(conn)
+    if events:
+        print()
+        ev: list[tuple[str, ...]] = [("when", "event", "peer", "detail")]
+        for e in events:
+            ev.append((_when(e["occurred_at"]), e["event_type"], e["peer"] or "-", e["detail"]))
+        _print_table(ev)
     return 0
 
 
@@ -220,9 +356,7 @@ def _worker(args: argparse.Namespace) -> int:
 
         print(worker_entry.__file__)
         return 0
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _log_to_stderr("%(asctime)s %(levelname)s %(name)s: %(message)s")
     conf = session.parse_conf(args.conf)
     command = None
     if args.launch_command:
@@ -271,138 +405,154 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _queues(args: argparse.Namespace) -> int:
     """Queues with their status, activation, monitors and readers."""
-    with Broker(args.db, timers=False) as broker:
+    with _open(args) as broker:
+        queues = broker.queues()
         monitors = {m["queue_name"]: m for m in broker.queue_monitors()}
-        rows = [
-            (
-                "queue",
-                "status",
-                "activation",
-                "readers",
-                "max",
-                "monitor",
-                "ready",
-                "last empty receive",
-            )
-        ]
-        for q in broker.queues():
-            m = monitors.get(q.name, {})
-            last_empty = m.get("last_empty_rowset_at")
-            rows.append(
-                (
-                    q.name,
-                    "ON" if q.is_receive_enabled else "OFF",
-                    q.activation_procedure or "-" if q.is_activation_enabled else "off",
-                    str(m.get("tasks_running", 0)),
-                    str(q.max_readers),
-                    m.get("state", "-"),
-                    str(m.get("messages_ready", "-")),
-                    "-"
-                    if last_empty is None
-                    else time.strftime("%H:%M:%S", time.localtime(last_empty)),
-                )
-            )
-        _print_table(rows)
-        disabled = [q for q in broker.queues() if not q.is_receive_enabled]
-        if disabled:
-            print()
-            why: list[tuple[str, ...]] = [("disabled queue", "since", "why")]
-            for q in disabled:
-                why.append(
-                    (
-                        q.name,
-                        "-" if q.disabled_at is None else _when(q.disabled_at),
-                        q.disabled_reason or "created with status off",
-                    )
-                )
-            _print_table(why)
-            print("turn a queue back on with: alter_queue(name, status=True)")
         tasks = broker.activated_tasks()
-        if tasks:
-            print()
-            readers: list[tuple[str, ...]] = [
+    if args.json:
+        reporting.write_json(
+            {
+                "queues": [_queue_json(q) for q in queues],
+                "queue_monitors": [reporting.json_row(m) for m in monitors.values()],
+                "activated_tasks": [reporting.json_row(t) for t in tasks],
+            }
+        )
+        return 0
+    rows = [
+        (
+            "queue",
+            "status",
+            "activation",
+            "readers",
+            "max",
+            "monitor",
+            "ready",
+            "last empty receive",
+        )
+    ]
+    for q in queues:
+        m = monitors.get(q.name, {})
+        rows.append(
+            (
+                q.name,
+                "ON" if q.is_receive_enabled else "OFF",
+                q.activation_procedure or "-" if q.is_activation_enabled else "off",
+                str(m.get("tasks_running", 0)),
+                str(q.max_readers),
+                m.get("state", "-"),
+                str(m.get("messages_ready", "-")),
+                _when(m.get("last_empty_rowset_at")),
+            )
+        )
+    _print_table(rows)
+    disabled = [q for q in queues if not q.is_receive_enabled]
+    if disabled:
+        print()
+        why: list[tuple[str, ...]] = [("disabled queue", "since", "why")]
+        for q in disabled:
+            why.append(
+                (q.name, _when(q.disabled_at), q.disabled_reason or "created with status off")
+            )
+        _print_table(why)
+        print("turn a queue back on with: alter_queue(name, status=True)")
+    if tasks:
+        print()
+        readers: list[tuple[str, ...]] = [
+            ("reader task", "queue", "procedure", "execute as", "runtime", "host", "pid", "started")
+        ]
+        for t in tasks:
+            readers.append(
                 (
-                    "reader task",
-                    "queue",
-                    "procedure",
-                    "execute as",
-                    "runtime",
-                    "host",
-                    "pid",
-                    "started",
+                    t["task_id"],
+                    t["queue_name"],
+                    t["procedure_name"],
+                    t["execute_as"] or "-",
+                    t["runtime_id"],
+                    t["host_name"],
+                    str(t["process_id"]),
+                    _when(t["started_at"]),
                 )
-            ]
-            for t in tasks:
-                readers.append(
-                    (
-                        t["task_id"],
-                        t["queue_name"],
-                        t["procedure_name"],
-                        t["execute_as"] or "-",
-                        t["runtime_id"],
-                        t["host_name"],
-                        str(t["process_id"]),
-                        time.strftime("%H:%M:%S", time.localtime(t["started_at"])),
-                    )
-                )
-            _print_table(readers)
+            )
+        _print_table(readers)
     return 0
 
 
-def _when(seconds: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+def _queue_json(queue: QueueInfo) -> dict[str, Any]:
+    """A queue's settings as ``queues --json`` gives them: named as its columns."""
+    settings = dataclasses.asdict(queue)
+    return reporting.json_row({"queue_name": settings.pop("name"), **settings})
+
+
+def _when(seconds: float | None) -> str:
+    """A time in a table: :func:`reporting.utc`, ``-`` for none."""
+    return "-" if seconds is None else reporting.utc(seconds)
 
 
 def _poison(args: argparse.Namespace) -> int:
     """The poison-message log and holding queue: list, show, replay, drop."""
-    with Broker(args.db, timers=False) as broker:
-        if args.action == "list":
-            found = broker.poison_messages(queue=args.queue, state=args.state)
-            if not found:
-                print("no poison messages")
-                return 0
-            rows: list[tuple[str, ...]] = [
-                (
-                    "id",
-                    "state",
-                    "queue",
-                    "conversation",
-                    "seq",
-                    "type",
-                    "failures",
-                    "cycles",
-                    "recorded",
-                    "redeliver at",
-                    "last error",
-                )
-            ]
-            for p in found:
-                m = p.message
-                rows.append(
-                    (
-                        str(p.poison_id),
-                        p.state,
-                        m.queue_name,
-                        str(m.conversation_handle),
-                        str(m.message_sequence_number),
-                        m.message_type_name,
-                        str(p.failures),
-                        str(p.cycles),
-                        _when(p.recorded_at),
-                        "-" if p.redeliver_at is None else _when(p.redeliver_at),
-                        (p.last_error or "-").splitlines()[0][:80],
-                    )
-                )
-            _print_table(rows)
-        elif args.action == "show":
-            for poison_id in args.ids:
-                _show_poison(broker, poison_id)
-        elif args.action == "replay":
+    histories: list[list[Mapping[str, Any]]] | None = None  # show's
+    with _open(args) as broker:
+        if args.action == "replay":
             count = broker.replay_poison_messages(args.ids)
             print(f"replayed {count} poison message(s): {_id_list(args.ids)}")
-        else:
+            return 0
+        if args.action == "drop":
             count = broker.drop_poison_messages(args.ids)
             print(f"dropped {count} poison message(s): {_id_list(args.ids)}")
+            return 0
+        if args.action == "list":
+            found = broker.poison_messages(queue=args.queue, state=args.state)
+        else:  # show: all of them read before any is printed (an unknown id prints nothing)
+            found = [broker.poison_message(poison_id) for poison_id in args.ids]
+            histories = [
+                broker.poison_incidents(m.conversation_handle, m.message_sequence_number)
+                for m in (p.message for p in found)
+            ]
+    if args.json:
+        shown = [
+            _poison_json(p, None if histories is None else histories[i])
+            for i, p in enumerate(found)
+        ]
+        reporting.write_json({"poison_messages": shown})
+    elif histories is not None:
+        for p, history in zip(found, histories, strict=True):
+            _show_poison(p, history)
+    elif not found:
+        print("no poison messages")
+    else:
+        rows: list[tuple[str, ...]] = [
+            (
+                "id",
+                "state",
+                "queue",
+                "conversation",
+                "seq",
+                "type",
+                "failures",
+                "cycles",
+                "recorded",
+                "redeliver at",
+                "last error",
+            )
+        ]
+        for p in found:
+            m = p.message
+            rows.append(
+                (
+                    str(p.poison_id),
+                    p.state,
+                    m.queue_name,
+                    str(m.conversation_handle),
+                    str(m.message_sequence_number),
+                    m.message_type_name,
+                    str(p.failures),
+                    str(p.cycles),
+                    _when(p.recorded_at),
+                    _when(p.redeliver_at),
+                    (p.last_error or "-").splitlines()[0][:80],
+                )
+            )
+        _print_table(rows)
     return 0
 
 
@@ -410,8 +560,47 @@ def _id_list(ids: Sequence[int]) -> str:
     return ", ".join(str(i) for i in dict.fromkeys(ids))
 
 
-def _show_poison(broker: Broker, poison_id: int) -> None:
-    p = broker.poison_message(poison_id)
+def _body(body: bytes | None) -> tuple[str | None, str | None]:
+    """A message body as text, and how: ``utf-8``, else ``hex``."""
+    if body is None:
+        return None, None
+    try:
+        return body.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        return body.hex(), "hex"
+
+
+def _poison_json(p: PoisonMessage, history: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+    """A poison message as ``poison list --json`` gives it, named as its columns; with
+    its body and failure history for ``poison show --json``."""
+    m = p.message
+    row: dict[str, Any] = {
+        "poison_id": p.poison_id,
+        "state": p.state,
+        "queue_name": m.queue_name,
+        "service_name": m.service_name,
+        "service_contract_name": m.service_contract_name,
+        "conversation_handle": str(m.conversation_handle),
+        "conversation_group_id": str(m.conversation_group_id),
+        "message_sequence_number": m.message_sequence_number,
+        "message_type_name": m.message_type_name,
+        "priority": m.priority,
+        "enqueued_at": m.enqueued_at,
+        "recorded_at": p.recorded_at,
+        "redeliver_at": p.redeliver_at,
+        "failures": p.failures,
+        "cycles": p.cycles,
+        "dispositions": p.dispositions,
+        "last_error": p.last_error,
+    }
+    if history is not None:
+        body, encoding = _body(m.body)
+        row["body"], row["body_encoding"] = body, encoding
+        row["history"] = [reporting.json_row(incident) for incident in history]
+    return reporting.json_row(row)
+
+
+def _show_poison(p: PoisonMessage, history: Sequence[Mapping[str, Any]]) -> None:
     m = p.message
     fields = [
         ("id", str(p.poison_id)),
@@ -426,7 +615,7 @@ def _show_poison(broker: Broker, poison_id: int) -> None:
         ("priority", str(m.priority)),
         ("enqueued", _when(m.enqueued_at)),
         ("recorded", _when(p.recorded_at)),
-        ("redeliver at", "-" if p.redeliver_at is None else _when(p.redeliver_at)),
+        ("redeliver at", _when(p.redeliver_at)),
         ("failures", str(p.failures)),
         ("cycles", str(p.cycles)),
         ("dispositions", p.dispositions),
@@ -435,18 +624,15 @@ def _show_poison(broker: Broker, poison_id: int) -> None:
     width = max(len(k) for k, _ in fields)
     for key, value in fields:
         print(f"{key.ljust(width)}  {value}")
-    if m.body is None:
-        print(f"{'body'.ljust(width)}  (none)")
-    else:
-        try:
-            text = m.body.decode("utf-8")
-        except UnicodeDecodeError:
-            text = f"({len(m.body)} bytes, not UTF-8) {m.body.hex()}"
-        print(f"{'body'.ljust(width)}  {text}")
-    incidents = broker.poison_incidents(m.conversation_handle, m.message_sequence_number)
-    if incidents:
+    body, encoding = _body(m.body)
+    if body is None:
+        body = "(none)"
+    elif encoding == "hex":
+        body = f"({len(body) // 2} bytes, not UTF-8) {body}"
+    print(f"{'body'.ljust(width)}  {body}")
+    if history:
         print("history:")
-        for i in incidents:
+        for i in history:
             error = (i["error"] or "").splitlines()[0][:100] if i["error"] else ""
             print(f"  {_when(i['occurred_at'])}  {i['kind']:<7}  {i['worker'] or '-'}  {error}")
     print()
@@ -533,19 +719,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-ca", help="CA (PEM) that peers' certificates must chain to")
     serve.add_argument(
         "--retry-initial",
-        type=float,
+        type=_positive_seconds,
         default=transport.endpoint.RETRY_INITIAL,
         help="seconds before an unacknowledged message is sent again (doubling)",
     )
     serve.add_argument(
         "--retry-max",
-        type=float,
+        type=_positive_seconds,
         default=transport.endpoint.RETRY_MAX,
         help="cap of the retransmission backoff, in seconds",
     )
     serve.add_argument(
         "--idle-timeout",
-        type=float,
+        type=_positive_seconds,
         default=transport.endpoint.IDLE_TIMEOUT,
         help="seconds without traffic before a connection is closed",
     )
@@ -557,6 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
     route_actions = route.add_subparsers(dest="action")
     route.add_argument("--db", default=db_default, help="SQLAlchemy URL")
     route.add_argument("--limit", type=_positive_int, default=20, help="rows of each list")
+    route.add_argument("--json", action="store_true", help="print every list as one JSON object")
     create = route_actions.add_parser("create", help="CREATE ROUTE")
     create.add_argument("name")
     create.add_argument("service", help="the remote service")
@@ -588,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--idle-exit",
-        type=float,
+        type=_positive_seconds,
         help="leave after this many seconds without a running reader (readers stay "
         "$SCHEDULER_LIB_EXECUTOR_IDLE, 10 s, after their last task; default: never; 30 for "
         "workers started by external activation)",
@@ -612,6 +799,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     queues = commands.add_parser("queues", help="queues, monitors and running readers")
     queues.add_argument("--db", default=db_default, help="SQLAlchemy URL")
+    queues.add_argument("--json", action="store_true", help="print as JSON")
     queues.set_defaults(run=_queues)
 
     poison = commands.add_parser(
@@ -624,6 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument(
         "--state", choices=["LOGGED", "PARKED"], type=str.upper, help="only this state"
     )
+    listing.add_argument("--json", action="store_true", help="print as JSON")
     for action, text in (
         ("show", "print poison messages with their bodies and failure history"),
         ("replay", "put exactly these messages back on their conversations' queues"),
@@ -632,6 +821,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = actions.add_parser(action, help=text)
         sub.add_argument("--db", default=db_default, help="SQLAlchemy URL")
         sub.add_argument("ids", nargs="+", type=_poison_id, metavar="ID", help="poison id")
+        if action == "show":
+            sub.add_argument("--json", action="store_true", help="print as JSON")
     poison.set_defaults(run=_poison)
 
     run = commands.add_parser("run", help="run the waves of a plan file (YAML) and report")
@@ -684,13 +875,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _seconds(text: str) -> float:
+def _seconds(text: str, *, positive: bool = False) -> float:
+    """A duration argument: a finite number of seconds, ``>= 0`` (``> 0`` when
+    ``positive``), checked as it is parsed — ``nan``, ``inf`` or a negative value is one
+    error line naming the option, not a wait that never ends or a loop that never waits."""
     try:
-        return connections.reconnect_timeout(float(text))
-    except (ValueError, InvalidArgument):
-        raise argparse.ArgumentTypeError(
-            f"expected a number of seconds >= 0, got {text!r}"
-        ) from None
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        bound = "> 0" if positive else ">= 0"
+        raise argparse.ArgumentTypeError(f"expected a number of seconds {bound}, got {shown!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    return _seconds(text, positive=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -715,13 +916,14 @@ def main(argv: list[str] | None = None) -> int:
 
 EXIT_FAILED = 1  # a task of the plan failed (run)
 EXIT_ERROR = 2  # bad input or a refused operation: the message says what to change
-EXIT_DATABASE = 3  # the database could not be reached or opened
+# the database could not be reached or opened, or has no (current) scheduler_lib schema
+EXIT_DATABASE = 3
 
 
 def _failure(exc: Exception) -> tuple[int, str]:
     """(exit code, one line) for an error that ends a command: what was wrong and how
     to fix it, never a traceback (``--verbose`` shows it) nor a password."""
-    if isinstance(exc, DatabaseUnavailable | CannotConnect):
+    if isinstance(exc, DatabaseUnavailable | CannotConnect | NoSchema):
         return EXIT_DATABASE, _one_line(exc)
     if isinstance(exc, BrokerError):
         return EXIT_ERROR, _one_line(exc)

@@ -4,6 +4,7 @@ summary table after it, and the execution status (rich tables, or JSON)."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import sys
 import time
@@ -21,7 +22,6 @@ from scheduler_lib.scheduler import catalog
 from scheduler_lib.scheduler.client import Completion, RunReport, TaskScheduler
 from scheduler_lib.scheduler.errors import PlanError, WaveFailed
 from scheduler_lib.scheduler.plan import Plan
-from scheduler_lib.scheduler.semaphores import Semaphores
 
 MONITOR_FRESH = 10.0  # seconds: a queue monitor updated this recently is being served
 READER_WAIT = 15.0  # seconds `run` waits for something to serve its target queue
@@ -210,10 +210,36 @@ def _verdict(report: RunReport) -> str:
     )
 
 
+def utc(seconds: float, timespec: str = "seconds") -> str:
+    """A time (seconds since the epoch) as every output of the command line writes it:
+    ISO 8601 in UTC, ``2026-11-25T17:30:05Z``.
+
+    :param timespec: as :meth:`datetime.datetime.isoformat`: ``"seconds"`` in tables,
+        ``"milliseconds"`` where tasks a few ms apart are told apart (``run``, ``status``),
+        ``"microseconds"`` in JSON
+    """
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    return moment.replace(tzinfo=None).isoformat(timespec=timespec) + "Z"
+
+
+def json_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A row for ``--json``: its columns as they are, but times — the columns named
+    ``*_at`` and ``*_time``, seconds since the epoch — as :func:`utc` with microseconds."""
+    return {
+        key: utc(value, "microseconds")
+        if value is not None and key.endswith(("_at", "_time"))
+        else value
+        for key, value in row.items()
+    }
+
+
+def write_json(document: Any) -> None:
+    """Print a ``--json`` document on standard output (UUIDs and the like as text)."""
+    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+
+
 def _clock(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return time.strftime("%H:%M:%S", time.localtime(seconds)) + f".{int(seconds * 1000) % 1000:03d}"
+    return "-" if seconds is None else utc(seconds, "milliseconds")
 
 
 def _summary(rows: Sequence[Mapping[str, Any]], plan: Plan) -> Table:
@@ -250,10 +276,10 @@ def _json_report(
         "plan": plan.path,
         "ok": report.ok,
         "scheduler_handle": str(report.scheduler_handle),
-        "started_at": report.started_at,
-        "ended_at": report.ended_at,
+        "started_at": utc(report.started_at, "microseconds"),
+        "ended_at": utc(report.ended_at, "microseconds"),
         "not_sent": [[t.to_dict() for t in w.not_sent] for w in report.waves],
-        "tasks": [dict(r) for r in rows],
+        "tasks": [json_row(r) for r in rows],
     }
 
 
@@ -265,24 +291,23 @@ def _spark(row: Any) -> str:
 
 
 def print_status(broker: Broker, *, limit: int = 20, as_json: bool = False) -> None:
-    """The execution_status view, the most recent log rows and the semaphores."""
-    catalog.prepare(broker)
+    """The execution_status view, the most recent log rows and the semaphores.
+
+    It only reads, and so neither creates nor upgrades the scheduler's schema: the
+    command checks that it is current first.
+    """
+    broker.use_queries(catalog.QUERIES)
     with broker.transaction() as tx:
         running = tx.fetch("status_list")
         recent = tx.fetch("log_recent", limit=limit)
-    semaphores = Semaphores(broker).status()
+        semaphores = tx.fetch("semaphore_list", now=time.time())
     if as_json:
-        sys.stdout.write(
-            json.dumps(
-                {
-                    "execution_status": [dict(r) for r in running],
-                    "recent": [dict(r) for r in recent],
-                    "semaphores": [dict(r) for r in semaphores],
-                },
-                indent=2,
-                default=str,
-            )
-            + "\n"
+        write_json(
+            {
+                "execution_status": [json_row(r) for r in running],
+                "recent": [json_row(r) for r in recent],
+                "semaphores": [json_row(r) for r in semaphores],
+            }
         )
         return
     out = _console()

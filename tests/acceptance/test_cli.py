@@ -153,7 +153,8 @@ def test_queues_shows_a_disabled_queue_and_why(db_url: str) -> None:
     assert result.returncode == 0, result.stderr
     assert re.search(r"^TargetQueue\s+OFF", result.stdout, re.MULTILINE)
     assert re.search(
-        r"^TargetQueue\s+\S+ \S+\s+poison message handling: 5 consecutive rollbacks",
+        r"^TargetQueue\s+\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\s+"
+        r"poison message handling: 5 consecutive rollbacks",
         result.stdout,
         re.MULTILINE,
     )
@@ -161,7 +162,8 @@ def test_queues_shows_a_disabled_queue_and_why(db_url: str) -> None:
 
 
 def test_routes_command_creates_lists_and_drops_and_shows_what_waits(db_url: str) -> None:
-    # Given a broker with a dialog to a service reached by a route nobody serves
+    # Given a broker (made by init) with a dialog to a service reached by a route nobody serves
+    assert _cli("init", "--db", db_url, "--no-scheduler").returncode == 0
     create = _cli("routes", "--db", db_url, "create", "to spark", "Far", "tcp://127.0.0.1:9")
     assert create.returncode == 0, create.stderr
     assert re.search(r"to spark\s+Far\s+ANY\s+tcp://127\.0\.0\.1:9", create.stdout)

@@ -31,17 +31,28 @@ def _one_line(result: subprocess.CompletedProcess[str], code: int) -> str:
 
 
 @pytest.mark.parametrize(
-    ("url", "says"),
+    ("command", "url", "says"),
     [
-        ("sqlite:////no/such/dir/x.db", "unable to open database file"),
-        ("postgresql://nobody_here:S3cretPW@127.0.0.1:5432/postgres", 'role "nobody_here"'),
-        ("postgresql://postgres:S3cretPW@127.0.0.1:5432/no_such_db_here", "does not exist"),
-        ("postgresql://postgres:S3cretPW@no-such-host.invalid:5432/x", "resolve host"),
+        # (status refuses a missing SQLite file before opening it: test_cli_output.py)
+        ("init", "sqlite:////no/such/dir/x.db", "unable to open database file"),
+        (
+            "status",
+            "postgresql://nobody_here:S3cretPW@127.0.0.1:5432/postgres",
+            'role "nobody_here"',
+        ),
+        (
+            "status",
+            "postgresql://postgres:S3cretPW@127.0.0.1:5432/no_such_db_here",
+            "does not exist",
+        ),
+        ("status", "postgresql://postgres:S3cretPW@no-such-host.invalid:5432/x", "resolve host"),
     ],
 )
-def test_a_database_that_cannot_be_opened_is_one_line_and_exit_3(url: str, says: str) -> None:
+def test_a_database_that_cannot_be_opened_is_one_line_and_exit_3(
+    command: str, url: str, says: str
+) -> None:
     started = time.monotonic()
-    line = _one_line(_cli("status", "--db", url), 3)
+    line = _one_line(_cli(command, "--db", url), 3)
     assert says in line and "cannot connect to" in line
     assert "S3cretPW" not in line
     assert time.monotonic() - started < 30  # a setting to fix is said at once, not retried

@@ -7,6 +7,7 @@ on distinct readers, the waves run in order, and the makespan stays under the id
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -62,9 +63,15 @@ def _served(processes: Processes, url: str, *args: str) -> subprocess.Popen[byte
     return process
 
 
+def _seconds(iso: str) -> float:
+    """A time of `run --json` (ISO 8601, UTC) in seconds since the epoch."""
+    return datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
 def _check(report: dict[str, Any]) -> None:
     assert report["ok"] is True
-    rows = report["tasks"]
+    times = ("start_time", "end_time")
+    rows = [{**t, **{k: _seconds(t[k]) for k in times}} for t in report["tasks"]]
     assert len(rows) == sum(len(w) for w in WAVES)
     by_wave: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
@@ -83,7 +90,7 @@ def _check(report: dict[str, Any]) -> None:
     # than its sleep (a Spark SQL statement's own planning and scheduling)
     took = sum(max(t["end_time"] - t["start_time"] for t in by_wave[w]) for w in by_wave)
     ideal = max(IDEAL, took)
-    makespan = report["ended_at"] - report["started_at"]
+    makespan = _seconds(report["ended_at"]) - _seconds(report["started_at"])
     assert makespan < ideal * 1.5, f"makespan {makespan:.2f} s, ideal {ideal:.3f} s"
 
 
