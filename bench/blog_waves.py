@@ -27,6 +27,7 @@ wave); the others find the readers of the run before still waiting (warm, within
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import statistics
 import subprocess
@@ -87,14 +88,22 @@ def one_run(url: str, plan_file: Path, kind: str) -> dict[str, float]:
     by_wave: dict[int, list[dict[str, Any]]] = {}
     for row in report["tasks"]:
         by_wave.setdefault(row["wave"], []).append(row)
-    took = sum(max(t["end_time"] - t["start_time"] for t in rows) for rows in by_wave.values())
+    took = sum(
+        max(seconds(t["end_time"]) - seconds(t["start_time"]) for t in rows)
+        for rows in by_wave.values()
+    )
     ideal = IDEAL if kind == "python" else max(IDEAL, took)
     parallel = all(len({t["worker_id"] for t in rows}) == len(rows) for rows in by_wave.values())
     return {
-        "makespan": report["ended_at"] - report["started_at"],
+        "makespan": seconds(report["ended_at"]) - seconds(report["started_at"]),
         "ideal": ideal,
         "parallel": float(parallel),
     }
+
+
+def seconds(when: str) -> float:
+    """Seconds since the epoch of a time of ``run --json`` (ISO 8601 UTC, ``...Z``)."""
+    return dt.datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
 
 
 def setup(name: str, command: list[str], url: str, kind: str, runs: int) -> dict[str, Any]:
