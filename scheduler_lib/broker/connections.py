@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import threading
@@ -51,9 +52,9 @@ def reconnect_timeout(value: float | None = None) -> float:
         seconds = float(raw)
     except (TypeError, ValueError):
         seconds = -1.0
-    if not seconds >= 0:
+    if not 0 <= seconds < math.inf:  # nan and inf too: a deadline that never comes is none
         raise exceptions.InvalidArgument(
-            f"reconnect timeout must be a number of seconds >= 0, got {raw!r}",
+            f"reconnect timeout must be a finite number of seconds >= 0, got {raw!r}",
             hint=f"e.g. {RECONNECT_TIMEOUT_ENV}=120",
         )
     return seconds

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from scheduler_lib.broker import exceptions, queries
+from scheduler_lib.broker import connections, exceptions, queries
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.models import Validation
 
@@ -341,3 +341,20 @@ def test_the_schedulers_queries_do_not_reuse_broker_names() -> None:
         scheduler = queries.for_dialect(dialect, "scheduler_lib.scheduler")
         # Then the two sets of names are apart (Store.extend refuses a clash)
         assert scheduler and not set(scheduler) & set(broker)
+
+
+# --- the reconnect deadline ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "-1", "soon"])
+def test_the_reconnect_timeout_from_the_environment_is_a_finite_number(
+    raw: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given SCHEDULER_LIB_RECONNECT_TIMEOUT set to what is no deadline (the option refuses
+    # the same values)
+    monkeypatch.setenv(connections.RECONNECT_TIMEOUT_ENV, raw)
+    # Then the broker refuses it, naming the variable to fix
+    with pytest.raises(exceptions.InvalidArgument, match="finite number of seconds"):
+        connections.reconnect_timeout()
+    monkeypatch.setenv(connections.RECONNECT_TIMEOUT_ENV, "2.5")
+    assert connections.reconnect_timeout() == 2.5
