@@ -879,23 +879,10 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
 
 
 def _in_order(messages: list[Message]) -> list[Message]:
-    """RECEIVE's order inside a group: conversations by priority, then by the arrival of
-    their oldest ready message, then sequence number (DELETE ... RETURNING promises no
-    order of its own). The query takes whole conversations in that order (the last one
-    perhaps in part), so the oldest arrival among a conversation's received messages
-    orders them as it did."""
-    arrived: dict[uuid.UUID, float] = {}
-    for m in messages:
-        first = arrived.get(m.conversation_handle)
-        if first is None or m.enqueued_at < first:
-            arrived[m.conversation_handle] = m.enqueued_at
+    """RECEIVE's order inside a group: conversations by priority, then sequence number
+    (DELETE ... RETURNING promises no order of its own)."""
     messages.sort(
-        key=lambda m: (
-            -m.priority,
-            arrived[m.conversation_handle],
-            str(m.conversation_handle),
-            m.message_sequence_number,
-        )
+        key=lambda m: (-m.priority, str(m.conversation_handle), m.message_sequence_number)
     )
     return messages
 

@@ -467,16 +467,11 @@ ORDER BY priority DESC, fair_at, message_id
 LIMIT 1;
 
 -- name: receive_take_group
--- Take up to :top ready messages of a locked group, in order: conversations by level, then
--- by the arrival of their oldest ready message, then by sequence number.
+-- Take up to :top ready messages of a locked group, in order.
 DELETE FROM queue_messages WHERE message_id IN (
-    SELECT message_id FROM (
-        SELECT message_id, priority, conversation_handle, message_sequence_number,
-            min(enqueued_at) OVER (PARTITION BY conversation_handle) AS arrived_at
-        FROM queue_messages
-        WHERE conversation_group_id = :group_id AND status = 1
-    ) AS ready
-    ORDER BY priority DESC, arrived_at, conversation_handle, message_sequence_number
+    SELECT message_id FROM queue_messages
+    WHERE conversation_group_id = :group_id AND status = 1
+    ORDER BY priority DESC, conversation_handle, message_sequence_number
     LIMIT :top
 )
 RETURNING *;
@@ -484,13 +479,9 @@ RETURNING *;
 -- name: receive_take_group_retained
 -- The same on a RETENTION queue: the rows stay, marked received.
 UPDATE queue_messages SET status = 0 WHERE message_id IN (
-    SELECT message_id FROM (
-        SELECT message_id, priority, conversation_handle, message_sequence_number,
-            min(enqueued_at) OVER (PARTITION BY conversation_handle) AS arrived_at
-        FROM queue_messages
-        WHERE conversation_group_id = :group_id AND status = 1
-    ) AS ready
-    ORDER BY priority DESC, arrived_at, conversation_handle, message_sequence_number
+    SELECT message_id FROM queue_messages
+    WHERE conversation_group_id = :group_id AND status = 1
+    ORDER BY priority DESC, conversation_handle, message_sequence_number
     LIMIT :top
 )
 RETURNING *;

@@ -170,15 +170,9 @@ WITH grp AS (
     FOR UPDATE OF g SKIP LOCKED
 ), picked AS (
     -- The group id as a scalar, so this walks ix_queue_messages_group, never the queue.
-    SELECT ready.message_id FROM (
-        SELECT m.message_id, m.priority, m.conversation_handle, m.message_sequence_number,
-            min(m.enqueued_at) OVER (PARTITION BY m.conversation_handle) AS arrived_at
-        FROM queue_messages m
-        WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp)
-        AND m.status = 1
-    ) AS ready
-    ORDER BY ready.priority DESC, ready.arrived_at, ready.conversation_handle,
-        ready.message_sequence_number
+    SELECT m.message_id FROM queue_messages m
+    WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
+    ORDER BY m.priority DESC, m.conversation_handle, m.message_sequence_number
     LIMIT :top
 ), taken AS (
     DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
@@ -299,15 +293,9 @@ WITH grp AS (
     LIMIT 1
     FOR UPDATE OF g SKIP LOCKED
 ), picked AS (
-    SELECT ready.message_id FROM (
-        SELECT m.message_id, m.priority, m.conversation_handle, m.message_sequence_number,
-            min(m.enqueued_at) OVER (PARTITION BY m.conversation_handle) AS arrived_at
-        FROM queue_messages m
-        WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp)
-        AND m.status = 1
-    ) AS ready
-    ORDER BY ready.priority DESC, ready.arrived_at, ready.conversation_handle,
-        ready.message_sequence_number
+    SELECT m.message_id FROM queue_messages m
+    WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
+    ORDER BY m.priority DESC, m.conversation_handle, m.message_sequence_number
     LIMIT :top
 ), taken AS (
     DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
@@ -340,8 +328,7 @@ SELECT lease_id, queue_name, conversation_group_id, conversation_handle,
     message_sequence_number, message_type_name, message_body, priority, service_name,
     service_contract_name, enqueued_at
 FROM message_leases WHERE worker = :worker AND taken_at = :now
-ORDER BY priority DESC, min(enqueued_at) OVER (PARTITION BY conversation_handle),
-    conversation_handle, message_sequence_number;
+ORDER BY priority DESC, conversation_handle, message_sequence_number;
 
 -- name: send_many_fast
 -- SEND of several messages of one type on one conversation in one round trip (as
