@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 POLICIES = ("fail_fast", "continue")
 ENDED = (SUCCEEDED, FAILED, CANCELLED)
 WAVE_WAIT_STEP = 5.0  # seconds: a waiting watcher re-reads the log at least this often
-# seconds: with several tasks in flight, synchronization gathers the answers arriving this
-# long after the first before it RECEIVEs them (and at most this long for a first one)
+# seconds: run_waves gathers the answers arriving this long after the first before it
+# RECEIVEs them all at once (and waits at most this long for a first one)
 GATHER_WINDOW = 0.01
 LOG_ID_BLOCK = 64  # log ids a scheduler takes from the sequence at a time (PostgreSQL)
 AIRFLOW_FIELDS = ("dag_id", "run_id", "task_id")
@@ -79,9 +79,12 @@ class SchedulerHandle:
     target_service: str
     max_in_flight: int | None = None
     in_flight: int = 0
+    # completions taken but not returned yet: exec_async's at max_in_flight, run_waves'
+    # batches, and those read from the log after a RECEIVE whose commit was lost
+    # (synchronization takes one answer per RECEIVE: the queue keeps the others)
     ahead: collections.deque[Completion] = dataclasses.field(default_factory=collections.deque)
     ended: SchedulerEnded | None = None  # the conversation ended; raised when ahead is empty
-    arrivals: int | None = None  # the initiator queue's arrivals before the last RECEIVE
+    arrivals: int | None = None  # the initiator queue's arrivals before run_waves' last RECEIVE
     names: dict[int, str] = dataclasses.field(default_factory=dict)  # log id -> task label
     # log ids whose completion was returned: an answer taken twice (its RECEIVE's commit
     # was lost, so its completion was read from the log) is returned once
@@ -489,7 +492,15 @@ class TaskScheduler:
             )
         if endpoint.state not in (EndpointState.STARTED_OUTBOUND, EndpointState.CONVERSING):
             raise SchedulerEnded(f"scheduler {key}: its conversation is {endpoint.state.name}")
-        return SchedulerHandle(key, endpoint.far_service_name)
+        # What is in flight comes from the log, not from the process that sent it (which
+        # may have died): the tasks not ended yet. Only they may be read back from the log
+        # after a lost RECEIVE commit; an ended one may have been returned already.
+        handle = SchedulerHandle(key, endpoint.far_service_name)
+        for row in self.log(key):
+            if row["status"] not in ENDED:
+                handle.names[int(row["log_id"])] = row["task_name"]
+                handle.in_flight += 1
+        return handle
 
     def wave_progress(
         self, handle: SchedulerHandle | uuid.UUID | str, log_ids: Sequence[int]
@@ -690,7 +701,12 @@ class TaskScheduler:
                 outstanding += len(batch)
             if not outstanding:
                 break
-            completion = self.synchronization(handle, timeout)
+            # The wave's own scheduler, whose answers only this loop consumes: one RECEIVE
+            # takes all those there (not one call's), each handled before the next wait.
+            if handle.ahead:
+                completion = handle.ahead.popleft()
+            else:
+                completion = self._receive(handle, timeout, batch=True)
             outstanding -= 1
             completions.append(completion)
             if on_completion is not None:
@@ -713,11 +729,18 @@ class TaskScheduler:
 
     # --- internals -------------------------------------------------------------------
 
-    def _receive(self, handle: SchedulerHandle, timeout: float | None) -> Completion:
+    def _receive(
+        self, handle: SchedulerHandle, timeout: float | None, *, batch: bool = False
+    ) -> Completion:
+        """The next completion off the queue. Alone, one answer per RECEIVE: its commit is
+        what says it was returned, so an answer is still on the queue (for this caller
+        after a restart, or for another one attached to the handle) or returned, never
+        only in memory. With ``batch`` (run_waves), every answer already there, the
+        others kept in ``ahead``."""
         if handle.ended is not None:
             raise handle.ended
         queue = self.names.initiator_queue
-        if handle.in_flight > 1 and handle.arrivals is not None:
+        if batch and handle.in_flight > 1 and handle.arrivals is not None:
             # Answers trickle in as tasks end: gather them a moment (no statement runs
             # while it waits), so one RECEIVE takes several rather than one each.
             started = time.monotonic()
@@ -729,13 +752,12 @@ class TaskScheduler:
                 timeout = max(0.0, timeout - (time.monotonic() - started))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            handle.arrivals = self.broker.arrivals(queue)
+            if batch:
+                handle.arrivals = self.broker.arrivals(queue)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            # Every completion already there in one RECEIVE; the others wait in ``ahead``.
+            top = max(1, handle.in_flight) if batch else 1
             try:
-                messages = self._take_answers(
-                    str(handle.conversation_handle), max(1, handle.in_flight), left
-                )
+                messages = self._take_answers(str(handle.conversation_handle), top, left)
             except ConnectionLost as exc:
                 # Lost while the RECEIVE committed: the answers it took may be gone with
                 # it. Their rows say how those tasks ended (a row's end and its answer
@@ -761,7 +783,7 @@ class TaskScheduler:
                 if completion is not None:
                     completions.append(completion)
             if completions:
-                handle.ahead.extend(completions[1:])
+                handle.ahead.extend(completions[1:])  # none unless batch
                 return completions[0]
             if handle.ended is not None:
                 raise handle.ended
@@ -809,7 +831,7 @@ class TaskScheduler:
             if log_id in handle.completed:
                 return None  # already returned, read from the log
             handle.completed.add(log_id)
-        handle.in_flight -= 1
+        handle.in_flight = max(0, handle.in_flight - 1)  # attach counts from the log
         raw = done.get("result")
         return Completion(
             log_id=log_id,
