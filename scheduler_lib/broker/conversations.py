@@ -358,22 +358,17 @@ class ConversationOperations:
         elif description is not None:
             raise exceptions.InvalidArgument("description is only allowed with an error code")
         with self._operation() as tx:
-            endpoint = tx._endpoint(handle)
             tx._wrote = True
+            endpoint, far = lock_for_end(tx, handle, cleanup=cleanup)
             if cleanup:
                 tx._close(endpoint, cleanup=True)
                 return
-            # The group lock first, as RECEIVE takes it, then both endpoints in a fixed order.
-            tx._execute("group_lock", group_id=str(endpoint.conversation_group_id))
-            tx._execute("endpoints_lock", conversation_id=str(endpoint.conversation_id))
-            endpoint = tx._endpoint(handle)
             state = endpoint.state
             if state in (EndpointState.DISCONNECTED_OUTBOUND, EndpointState.CLOSED):
                 raise state_error(endpoint, "end")
             if endpoint.is_remote:
                 tx._end_remote(endpoint, error, description)
                 return
-            far = tx._far_endpoint(endpoint, create=False)
             if state in (EndpointState.DISCONNECTED_INBOUND, EndpointState.ERROR) or far is None:
                 # The far side already ended (or never existed): we are the last to leave.
                 tx._close(endpoint)
@@ -445,6 +440,51 @@ class ConversationOperations:
         """Messages waiting to be delivered (``sys.transmission_queue``)."""
         with self._operation() as tx:
             return tx._all("transmission_list")
+
+
+class _LockAgain(Exception):
+    """An endpoint moved, or the far side ended, while END waited for its locks."""
+
+
+def lock_for_end(
+    tx: Transaction, handle: str, *, cleanup: bool = False
+) -> tuple[ConversationEndpoint, ConversationEndpoint | None]:
+    """Take END CONVERSATION's locks in the documented order and return the endpoint and
+    its local far endpoint as read under them: the groups first — the endpoint's and, when
+    END will close the far endpoint (it already ended), the far one's — in group id order,
+    as RECEIVE and MOVE take groups; then both endpoint rows, initiator first. Taking a far
+    group only after the endpoint rows made END deadlock with a second END of the far side
+    (which holds that group and waits for the rows). When the endpoints changed meanwhile
+    so that another group is needed, the row locks are given back (a savepoint) and the
+    groups are locked again first. ``cleanup`` closes only this endpoint: its group only.
+    """
+    locked: set[str] = set()
+    endpoint = tx._endpoint(handle)
+    while True:
+        far = None if endpoint.is_remote else tx._far_endpoint(endpoint, create=False)
+        for group_id in sorted(_groups_to_lock(endpoint, far, cleanup) - locked):
+            tx._execute("group_lock", group_id=group_id)  # gone: the re-read below tells
+            locked.add(group_id)
+        try:
+            with tx.savepoint():
+                tx._execute("endpoints_lock", conversation_id=str(endpoint.conversation_id))
+                endpoint = tx._endpoint(handle)
+                far = None if endpoint.is_remote else tx._far_endpoint(endpoint, create=False)
+                if not _groups_to_lock(endpoint, far, cleanup) <= locked:
+                    raise _LockAgain
+        except _LockAgain:
+            endpoint = tx._endpoint(handle)
+            continue
+        return endpoint, far
+
+
+def _groups_to_lock(
+    endpoint: ConversationEndpoint, far: ConversationEndpoint | None, cleanup: bool
+) -> set[str]:
+    groups = {str(endpoint.conversation_group_id)}
+    if not cleanup and far is not None and far.state is EndpointState.DISCONNECTED_OUTBOUND:
+        groups.add(str(far.conversation_group_id))
+    return groups
 
 
 def state_error(endpoint: ConversationEndpoint, action: str) -> exceptions.ConversationStateError:

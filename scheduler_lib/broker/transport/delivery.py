@@ -489,11 +489,17 @@ def prune_closed(broker: Broker, now: float, retention: float = CLOSED_RETENTION
     """Remove remote conversations' closed endpoints older than ``retention`` seconds."""
     with broker.transaction() as tx:
         rows = tx._all("endpoints_closed_before", before=now - retention, limit=1000)
-        for row in rows:
+        pruned = 0
+        # The group lock first, as END takes it, in group id order; a group someone holds
+        # is left for the next prune (this never waits).
+        for row in sorted(rows, key=lambda r: str(r["conversation_group_id"])):
+            if tx._one("group_try_lock", group_id=row["conversation_group_id"]) is None:
+                continue
             tx._execute("endpoint_delete", handle=row["conversation_handle"])
             tx._execute("group_delete_if_empty", group_id=row["conversation_group_id"])
-        tx._wrote = tx._wrote or bool(rows)
-        return len(rows)
+            pruned += 1
+        tx._wrote = tx._wrote or pruned > 0
+        return pruned
 
 
 def write_connections(
