@@ -320,8 +320,15 @@ class TaskScheduler:
         because the conversation is already gone (the blog's "evil DBA" case)."""
         if handle.in_flight:
             self.cancel(handle, "cancelled: the scheduler was released")
-        with contextlib.suppress(ConversationNotFound, ConversationStateError):
-            self.broker.end_conversation(handle.conversation_handle)
+        while True:
+            try:
+                with contextlib.suppress(ConversationNotFound, ConversationStateError):
+                    self.broker.end_conversation(handle.conversation_handle)
+                return
+            except ConnectionLost as exc:
+                # The END's commit answer was lost: END again. Had it committed, this END
+                # finds the conversation ended (or gone), which release does not mind.
+                log.warning("%s; ending the scheduler's conversation again", exc)
 
     @contextlib.contextmanager
     def scheduler(
