@@ -13,8 +13,9 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,6 +57,24 @@ def airflow_home() -> Path:
     )
     assert done.returncode == 0, f"airflow db migrate failed:\n{done.stdout}\n{done.stderr}"
     return _HOME
+
+
+@pytest.fixture(scope="session")
+def parse_dags(airflow_home: Path) -> Callable[[Path], dict[str, Any]]:
+    """``parse_dags(path)``: the DAGs of a file or folder, parsed the way Airflow parses
+    them, with no import error."""
+
+    def parse(path: Path) -> dict[str, Any]:
+        try:
+            from airflow.dag_processing.dagbag import DagBag
+        except ImportError:  # Airflow < 3.2 (the lowest-Airflow job of .ci/run)
+            from airflow.models.dagbag import DagBag  # type: ignore[no-redef]
+
+        bag = DagBag(dag_folder=str(path))
+        assert not bag.import_errors, bag.import_errors
+        return dict(bag.dags)
+
+    return parse
 
 
 def connection(url: str, **extra: object) -> str:
