@@ -118,8 +118,9 @@ def test_leases_given_back_out_of_order_are_received_in_sequence_order(
 
 # Equal-level conversations of a group by the arrival of their oldest ready message (issue
 # 22.5) is not the rule yet: a window over the whole group made every RECEIVE read all the
-# group's ready rows, and 8,000 top=1 receives on one conversation took 33.8 s instead of 7.5 s
-# (PostgreSQL, 2026-11-25). Until an index-backed design lands, ties go by handle; these say
+# group's ready rows: RECEIVE became linear in the group's size, so draining one
+# conversation one message at a time became quadratic (a side measurement is in the
+# 2026-11-25 session note). Until an index-backed design lands, ties go by handle; these say
 # so and fail loudly (strict) the day the rule holds.
 ARRIVAL_ORDER_PENDING = pytest.mark.xfail(
     strict=True, reason="arrival order inside a group needs an index-backed RECEIVE (issue 22.5)"
