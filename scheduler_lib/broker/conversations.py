@@ -20,6 +20,7 @@ from scheduler_lib.broker.models import (
     DEFAULT,
     END_DIALOG,
     ERROR,
+    ERROR_SEQUENCE,
     SYSTEM_MESSAGE_TYPES,
     ConversationEndpoint,
     EndpointState,
@@ -366,6 +367,10 @@ class ConversationOperations:
             state = endpoint.state
             if state in (EndpointState.DISCONNECTED_OUTBOUND, EndpointState.CLOSED):
                 raise state_error(endpoint, "end")
+            # END cancels the endpoint's conversation timer: an ended conversation can
+            # receive nothing more, so no DialogTimer may arrive for it (an endpoint
+            # waiting in DISCONNECTED_OUTBOUND for the far side's END stays a while).
+            tx._execute("timer_clear", handle=handle)
             if endpoint.is_remote:
                 tx._end_remote(endpoint, error, description)
                 return
@@ -387,7 +392,9 @@ class ConversationOperations:
                 far_state = EndpointState.DISCONNECTED_INBOUND
             else:
                 body = json.dumps({"code": error, "description": description}).encode()
-                tx._enqueue_at(far, int(seq), ERROR, body)
+                # Received before the far side's messages still queued, as SQL Server
+                # receives an Error (they stay receivable after it): see ERROR_SEQUENCE.
+                tx._enqueue_at(far, ERROR_SEQUENCE, ERROR, body)
                 far_state = EndpointState.ERROR
             tx._execute(
                 "endpoint_set_state", handle=str(far.conversation_handle), state=far_state.value

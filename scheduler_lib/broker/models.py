@@ -63,6 +63,13 @@ END_DIALOG = "EndDialog"
 ERROR = "Error"
 DIALOG_TIMER = "DialogTimer"
 SYSTEM_MESSAGE_TYPES = frozenset({END_DIALOG, ERROR, DIALOG_TIMER})
+# Where RECEIVE finds an Error and a DialogTimer in their conversation: ahead of its
+# messages (numbered from 0), the timer first, then the Error — whatever order they
+# arrived in. An Error takes ERROR_SEQUENCE whether the broker made it (lifetime, a
+# message that failed validation) or the far side ended WITH ERROR ("Broker System
+# Messages", ms166088); the far side's number for it still orders it on the wire.
+DIALOG_TIMER_SEQUENCE = -2
+ERROR_SEQUENCE = -1
 
 DEFAULT = "DEFAULT"  # the DEFAULT message type and contract every broker has
 ANY = None  # wildcard in priority matching: the priority applies to every name

@@ -21,8 +21,10 @@ from scheduler_lib.broker.conversations import (
 )
 from scheduler_lib.broker.models import (
     DIALOG_TIMER,
+    DIALOG_TIMER_SEQUENCE,
     END_DIALOG,
     ERROR,
+    ERROR_SEQUENCE,
     MESSAGE_COLUMNS,
     ConversationEndpoint,
     EndpointState,
@@ -42,10 +44,6 @@ T = TypeVar("T")
 
 LIFETIME_EXPIRED_CODE = -8489  # SQL Server's code for "the dialog has exceeded its LIFETIME"
 QUEUE_RECHECK = 1.0  # seconds a waiting RECEIVE trusts the queue's settings
-# DialogTimer and the lifetime Error are local (no number of the far side's): they sort
-# ahead of their conversation's messages, the timer first, as SQL Server receives them.
-DIALOG_TIMER_SEQUENCE = -2
-LIFETIME_ERROR_SEQUENCE = -1
 LIFETIME_RETRY = 1.0  # seconds before expiry looks again at an ended endpoint whose group is held
 
 
@@ -872,7 +870,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                     "description": "The dialog has exceeded its lifetime.",
                 }
             ).encode()
-            self._enqueue(row, row["conversation_handle"], LIFETIME_ERROR_SEQUENCE, ERROR, body)
+            self._enqueue(row, row["conversation_handle"], ERROR_SEQUENCE, ERROR, body)
             fired += 1
         self._wrote = self._wrote or fired > 0
         return fired

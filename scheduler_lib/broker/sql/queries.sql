@@ -157,9 +157,27 @@ FROM queue_messages WHERE queue_name = :name;
 SELECT 1 FROM queue_messages WHERE queue_name = :name AND status = 1 LIMIT 1;
 
 -- name: queue_peek
--- The queue's rows without receiving them (SELECT * FROM queue).
-SELECT * FROM queue_messages WHERE queue_name = :name
-ORDER BY priority DESC, conversation_group_id, conversation_handle, message_sequence_number;
+-- The queue's rows without receiving them (SELECT * FROM queue), in the order RECEIVE
+-- serves them when nobody holds a group and each RECEIVE takes its group whole: groups by
+-- their first ready message (level, fair-share stamp, arrival: as receive_pick_group),
+-- inside a group conversations by level, then sequence number (a DialogTimer, then an
+-- Error, ahead of the rest). Rows a retention queue keeps after RECEIVE stay in their
+-- conversation's order; a group with nothing left to receive comes after the others.
+-- Aging's pick of an overdue group is not foreseen.
+SELECT m.* FROM queue_messages m
+JOIN (
+    SELECT conversation_group_id, min(pick) AS pick FROM (
+        SELECT conversation_group_id,
+               row_number() OVER (
+                   ORDER BY status <> 1, priority DESC, fair_at, message_id
+               ) AS pick
+        FROM queue_messages WHERE queue_name = :name
+    ) ranked
+    GROUP BY conversation_group_id
+) g ON g.conversation_group_id = m.conversation_group_id
+WHERE m.queue_name = :name
+ORDER BY g.pick, m.priority DESC, m.conversation_handle, m.message_sequence_number,
+    m.message_id;
 
 -- name: service_insert
 -- Create a service on a queue.

@@ -21,6 +21,7 @@ from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.models import (
     END_DIALOG,
     ERROR,
+    ERROR_SEQUENCE,
     ConversationEndpoint,
     EndpointState,
     SentBy,
@@ -360,7 +361,11 @@ class Receiver:
             if state is EndpointState.DISCONNECTED_OUTBOUND:
                 tx._close(endpoint)  # both sides have ended: this one was waiting for it
             elif state in SENDABLE:
-                tx._enqueue(accepted, handle, seq, message_type, body)
+                # An Error (the far side's END WITH ERROR, or one this broker makes for a
+                # message it refuses) is received ahead of the conversation's messages
+                # still queued, as on a local conversation; EndDialog keeps its place.
+                at = seq if message_type == END_DIALOG else ERROR_SEQUENCE
+                tx._enqueue(accepted, handle, at, message_type, body)
                 new = (
                     EndpointState.DISCONNECTED_INBOUND
                     if message_type == END_DIALOG
