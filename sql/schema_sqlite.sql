@@ -442,3 +442,15 @@ ALTER TABLE queues ADD COLUMN is_activation_eager BOOLEAN DEFAULT 0 NOT NULL;
 
 UPDATE broker_alembic_version SET version_num='0007' WHERE broker_alembic_version.version_num = '0006';
 
+-- Running upgrade 0007 -> 0008
+
+DROP INDEX ix_queue_messages_conversation;
+
+CREATE INDEX ix_queue_messages_conversation ON queue_messages (conversation_handle, status, message_sequence_number);
+
+DROP INDEX ix_queue_messages_group;
+
+CREATE INDEX ix_queue_messages_group ON queue_messages (conversation_group_id, priority DESC, message_id) WHERE status = 1;
+
+UPDATE broker_alembic_version SET version_num='0008' WHERE broker_alembic_version.version_num = '0007';
+

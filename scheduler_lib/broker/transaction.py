@@ -713,12 +713,14 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             and (handle is not None or info.receive_aging_seconds is None)
         ):
             return []  # the one-statement RECEIVE covers this queue: nothing is there
+        take = "receive_take_conversation"
+        if info.is_retention_enabled:
+            take += "_retained"
         if handle is not None:
             locked = self._scalar("receive_lock_conversation", queue=queue, handle=handle)
             if locked is None:
                 return []
-            take = "receive_take_conversation"
-            params: dict[str, Any] = {"handle": handle}
+            conversations = [handle]
         else:
             if group_id is not None:
                 locked = self._scalar("receive_lock_group", queue=queue, group_id=group_id)
@@ -726,17 +728,21 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                 locked = self._pick_group(info)
             if locked is None:
                 return []
-            take = "receive_take_group"
-            params = {"group_id": locked}
-        if info.is_retention_enabled:
-            take += "_retained"
-        rows = self._all(take, top=top, **params)
+            conversations = _arrival_order(
+                self._all("receive_group_firsts", group_id=locked, top=top)
+            )
+        messages: list[Message] = []
+        for conversation in conversations:
+            rows = self._all(take, handle=conversation, top=top - len(messages))
+            messages.extend(sorted(map(Message.from_row, rows), key=_sequence))
+            if len(messages) >= top:
+                break
         self._wrote = True
-        if rows:
+        if messages:
             self._receipts.add(queue)
             # Inside this transaction: only a commit ends the queue's run of rollbacks.
             self._execute("queue_reset_rollbacks", name=queue)
-        return _in_order([Message.from_row(r) for r in rows])
+        return messages
 
     def _pick_group(self, queue: QueueInfo, query: str = "receive_pick_group") -> str | None:
         """Lock the group to serve next: with aging on, the group of the oldest message
@@ -765,9 +771,8 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             return []
         self._wrote = True
         self._receipts.add(queue)  # the statement reset the rollback count itself
-        return _in_order(
-            [Message.from_row(dict(zip(MESSAGE_COLUMNS, r, strict=True))) for r in rows]
-        )
+        # The statement returns them in RECEIVE's order.
+        return [Message.from_row(dict(zip(MESSAGE_COLUMNS, r, strict=True))) for r in rows]
 
     def _get_group_once(self, queue: str) -> uuid.UUID | None:
         info = self._queue(queue)
@@ -876,13 +881,16 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         return fired
 
 
-def _in_order(messages: list[Message]) -> list[Message]:
-    """RECEIVE's order inside a group: conversations by priority, then sequence number
-    (DELETE ... RETURNING promises no order of its own)."""
-    messages.sort(
-        key=lambda m: (-m.priority, str(m.conversation_handle), m.message_sequence_number)
-    )
-    return messages
+def _arrival_order(firsts: list[Row]) -> list[str]:
+    """RECEIVE's order of a group's conversations, from ``receive_group_firsts`` (rows by
+    level, then arrival): each conversation where its oldest ready message first appears —
+    by level, then by that message's arrival, never by the handle's text."""
+    return list(dict.fromkeys(str(row["conversation_handle"]) for row in firsts))
+
+
+def _sequence(message: Message) -> int:
+    """A conversation's order (DELETE ... RETURNING promises no order of its own)."""
+    return message.message_sequence_number
 
 
 def _group_of(found: object) -> str | None:

@@ -116,18 +116,10 @@ def test_leases_given_back_out_of_order_are_received_in_sequence_order(
     assert [(seq, body) for _, seq, body in got] == [(0, b"m0"), (1, b"m1"), (2, b"m2")]
 
 
-# Equal-level conversations of a group by the arrival of their oldest ready message (issue
-# 22.5) is not the rule yet: a window over the whole group made every RECEIVE read all the
-# group's ready rows: RECEIVE became linear in the group's size, so draining one
-# conversation one message at a time became quadratic (a side measurement is in the
-# 2026-11-25 session note). Until an index-backed design lands, ties go by handle; these say
-# so and fail loudly (strict) the day the rule holds.
-ARRIVAL_ORDER_PENDING = pytest.mark.xfail(
-    strict=True, reason="arrival order inside a group needs an index-backed RECEIVE (issue 22.5)"
-)
+# Equal-level conversations of a group come by the arrival of their oldest ready message
+# (issue 22.5), not by their handles' text.
 
 
-@ARRIVAL_ORDER_PENDING
 @pytest.mark.parametrize("top", [1, 10])
 def test_equal_level_conversations_of_a_group_come_in_arrival_order_not_handle_order(
     scheduler_catalog: Broker, top: int
@@ -168,7 +160,6 @@ def test_equal_level_conversations_of_a_group_come_in_arrival_order_not_handle_o
         assert got == [b"e0", b"e1", b"l0", b"l1"]
 
 
-@ARRIVAL_ORDER_PENDING
 def test_a_conversation_moved_into_a_group_keeps_its_place_by_arrival(
     scheduler_catalog: Broker,
 ) -> None:

@@ -484,25 +484,15 @@ WHERE queue_name = :queue AND status = 1
 ORDER BY priority DESC, fair_at, message_id
 LIMIT 1;
 
--- name: receive_take_group
--- Take up to :top ready messages of a locked group, in order.
-DELETE FROM queue_messages WHERE message_id IN (
-    SELECT message_id FROM queue_messages
-    WHERE conversation_group_id = :group_id AND status = 1
-    ORDER BY priority DESC, conversation_handle, message_sequence_number
-    LIMIT :top
-)
-RETURNING *;
-
--- name: receive_take_group_retained
--- The same on a RETENTION queue: the rows stay, marked received.
-UPDATE queue_messages SET status = 0 WHERE message_id IN (
-    SELECT message_id FROM queue_messages
-    WHERE conversation_group_id = :group_id AND status = 1
-    ORDER BY priority DESC, conversation_handle, message_sequence_number
-    LIMIT :top
-)
-RETURNING *;
+-- name: receive_group_firsts
+-- The first :top ready messages of a locked group by level, then arrival: they hold the
+-- oldest ready message of every conversation a RECEIVE TOP (:top) serves from (the rows
+-- ahead of a conversation's oldest one are those of the conversations served before it),
+-- so RECEIVE orders the group's conversations from :top rows of ix_queue_messages_group.
+SELECT conversation_handle, priority, message_id FROM queue_messages
+WHERE conversation_group_id = :group_id AND status = 1
+ORDER BY priority DESC, message_id
+LIMIT :top;
 
 -- name: receive_take_conversation
 -- Take up to :top ready messages of one conversation, in order.

@@ -168,24 +168,44 @@ WITH grp AS (
     ORDER BY m.priority DESC, m.fair_at, m.message_id
     LIMIT 1
     FOR UPDATE OF g SKIP LOCKED
-), picked AS (
-    -- The group id as a scalar, so this walks ix_queue_messages_group, never the queue.
-    SELECT m.message_id FROM queue_messages m
+), firsts AS (
+    -- receive_group_firsts: the group's first :top ready rows by level and arrival hold
+    -- the oldest ready message of every conversation served. The group id as a scalar,
+    -- so this walks ix_queue_messages_group, never the queue.
+    SELECT m.conversation_handle, m.priority, m.message_id FROM queue_messages m
     WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
-    ORDER BY m.priority DESC, m.conversation_handle, m.message_sequence_number
+    ORDER BY m.priority DESC, m.message_id
+    LIMIT :top
+), conversations AS (
+    SELECT conversation_handle, priority, min(message_id) AS arrived
+    FROM firsts GROUP BY conversation_handle, priority
+), picked AS (
+    -- Conversations by level, then the arrival of their oldest ready message, each in
+    -- sequence order (one range of ix_queue_messages_conversation).
+    SELECT s.message_id, c.arrived FROM conversations c
+    CROSS JOIN LATERAL (
+        SELECT m.message_id, m.message_sequence_number FROM queue_messages m
+        WHERE m.conversation_handle = c.conversation_handle AND m.status = 1
+        ORDER BY m.message_sequence_number
+        LIMIT :top
+    ) s
+    ORDER BY c.priority DESC, c.arrived, s.message_sequence_number
     LIMIT :top
 ), taken AS (
     DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
     RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
         m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
-        m.service_name, m.service_contract_name, m.enqueued_at, m.status
+        m.service_name, m.service_contract_name, m.enqueued_at, m.status, picked.arrived
 ), reset AS (
     -- queue_reset_rollbacks, in the same round trip: writes only after a rollback.
     UPDATE queues q SET consecutive_rollbacks = 0
     WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
     AND EXISTS (SELECT 1 FROM taken)
 )
-SELECT * FROM taken;
+SELECT queue_name, conversation_group_id, conversation_handle, message_sequence_number,
+    message_type_name, message_body, priority, service_name, service_contract_name,
+    enqueued_at, status
+FROM taken ORDER BY priority DESC, arrived, message_sequence_number;
 
 -- name: commit_without_fsync
 -- For bookkeeping nobody must find after a crash (the waiting-receiver count): the
@@ -274,7 +294,7 @@ WITH grp AS (
     WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
     AND EXISTS (SELECT 1 FROM taken)
 )
-SELECT * FROM taken;
+SELECT * FROM taken ORDER BY message_sequence_number;
 
 -- name: take_fast
 -- RECEIVE for long work in one round trip: take the first :top messages of the first
@@ -292,16 +312,34 @@ WITH grp AS (
     ORDER BY m.priority DESC, m.fair_at, m.message_id
     LIMIT 1
     FOR UPDATE OF g SKIP LOCKED
-), picked AS (
-    SELECT m.message_id FROM queue_messages m
+), firsts AS (
+    -- As receive_fast: the group's first :top ready rows by level and arrival hold
+    -- the oldest ready message of every conversation served. The group id as a scalar,
+    -- so this walks ix_queue_messages_group, never the queue.
+    SELECT m.conversation_handle, m.priority, m.message_id FROM queue_messages m
     WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
-    ORDER BY m.priority DESC, m.conversation_handle, m.message_sequence_number
+    ORDER BY m.priority DESC, m.message_id
+    LIMIT :top
+), conversations AS (
+    SELECT conversation_handle, priority, min(message_id) AS arrived
+    FROM firsts GROUP BY conversation_handle, priority
+), picked AS (
+    -- Conversations by level, then the arrival of their oldest ready message, each in
+    -- sequence order (one range of ix_queue_messages_conversation).
+    SELECT s.message_id, c.arrived FROM conversations c
+    CROSS JOIN LATERAL (
+        SELECT m.message_id, m.message_sequence_number FROM queue_messages m
+        WHERE m.conversation_handle = c.conversation_handle AND m.status = 1
+        ORDER BY m.message_sequence_number
+        LIMIT :top
+    ) s
+    ORDER BY c.priority DESC, c.arrived, s.message_sequence_number
     LIMIT :top
 ), taken AS (
     DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
     RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
         m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
-        m.service_name, m.service_contract_name, m.enqueued_at
+        m.service_name, m.service_contract_name, m.enqueued_at, picked.arrived
 ), reset AS (
     UPDATE queues q SET consecutive_rollbacks = 0
     WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
@@ -317,6 +355,7 @@ SELECT gen_random_uuid()::text, t.queue_name, t.conversation_group_id,
     t.priority, t.service_name, t.service_contract_name, t.enqueued_at, :worker, :now, :now,
     :expires_at
 FROM taken t
+ORDER BY t.priority DESC, t.arrived, t.message_sequence_number
 RETURNING lease_id, queue_name, conversation_group_id, conversation_handle,
     message_sequence_number, message_type_name, message_body, priority, service_name,
     service_contract_name, enqueued_at;
