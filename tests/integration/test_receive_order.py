@@ -143,6 +143,9 @@ def test_equal_level_conversations_of_a_group_come_in_arrival_order_not_handle_o
     for handle, body in replies:
         broker.send(target_of(broker, handle), "AsyncDone", body)
 
+    # (peek lists the group as one RECEIVE of it would serve it)
+    assert [m.body for m in broker.peek(IQ)] == [b"e0", b"e1", b"l0", b"l1"]
+
     # When RECEIVE takes the group
     if top == 1:
         got = [body for _, _, body in receive_one_at_a_time(broker, IQ)]

@@ -160,11 +160,18 @@ SELECT 1 FROM queue_messages WHERE queue_name = :name AND status = 1 LIMIT 1;
 -- The queue's rows without receiving them (SELECT * FROM queue), in the order RECEIVE
 -- serves them when nobody holds a group and each RECEIVE takes its group whole: groups by
 -- their first ready message (level, fair-share stamp, arrival: as receive_pick_group),
--- inside a group conversations by level, then sequence number (a DialogTimer, then an
--- Error, ahead of the rest). Rows a retention queue keeps after RECEIVE stay in their
--- conversation's order; a group with nothing left to receive comes after the others.
--- Aging's pick of an overdue group is not foreseen.
-SELECT m.* FROM queue_messages m
+-- inside a group conversations by level, then by the arrival of their oldest ready
+-- message (as RECEIVE), each in sequence order (a DialogTimer, then an Error, ahead of
+-- the rest). Rows a retention queue keeps stay in their conversation's order; a
+-- conversation, and a group, with nothing left to receive come after the others.
+-- Aging's pick of an overdue group is not foreseen. Not a hot path: the windows read
+-- the whole queue.
+SELECT m.* FROM (
+    SELECT queue_messages.*,
+           min(CASE WHEN status = 1 THEN message_id END)
+               OVER (PARTITION BY conversation_handle) AS arrived
+    FROM queue_messages WHERE queue_name = :name
+) m
 JOIN (
     SELECT conversation_group_id, min(pick) AS pick FROM (
         SELECT conversation_group_id,
@@ -175,9 +182,8 @@ JOIN (
     ) ranked
     GROUP BY conversation_group_id
 ) g ON g.conversation_group_id = m.conversation_group_id
-WHERE m.queue_name = :name
-ORDER BY g.pick, m.priority DESC, m.conversation_handle, m.message_sequence_number,
-    m.message_id;
+ORDER BY g.pick, m.priority DESC, m.arrived IS NULL, m.arrived, m.conversation_handle,
+    m.message_sequence_number, m.message_id;
 
 -- name: service_insert
 -- Create a service on a queue.
