@@ -199,7 +199,8 @@ class CatalogOperations:
         message handling is acted on by every transaction that receives from the queue.
 
         :param status: whether messages can be received (off: receivers get QueueDisabled)
-        :param retention: keep received messages (status 0) until their conversation ends
+        :param retention: keep the messages its endpoints receive (status 0) and send
+            (status 3) until their conversation ends
         :param activation_status: whether the queue activates readers
         :param activation_procedure: dotted path of the reader callable
         :param max_queue_readers: most readers activated at once

@@ -499,6 +499,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             raise state_error(self._endpoint(handle), "send on")
         seq = int(taken["message_sequence_number"])
         self._enqueue_at(far, seq, message_type, data, fair_at=float(taken["fair_at"]))
+        self._retain_sent(handle, seq, message_type, data)
         return seq
 
     def _send_remote(
@@ -514,6 +515,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             raise state_error(self._endpoint(handle), "send on")
         seq = int(taken["message_sequence_number"])
         self._transmit(endpoint, seq, message_type, data)
+        self._retain_sent(handle, seq, message_type, data)
         return seq
 
     def _send_remote_many(
@@ -535,9 +537,38 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             "outgoing_insert",
             [{**common, "seq": int(first) + i, "body": body} for i, body in enumerate(data)],
         )
+        if self._queue(endpoint.queue_name).is_retention_enabled:
+            self._store.execute_many(
+                self._conn(),
+                "message_retain_sent",
+                [
+                    {
+                        "handle": handle,
+                        "seq": int(first) + i,
+                        "message_type": message_type,
+                        "body": body,
+                        "now": now,
+                    }
+                    for i, body in enumerate(data)
+                ],
+            )
         self._wrote = True
         self._transmitted = True
         return list(range(int(first), int(first) + len(data)))
+
+    def _retain_sent(self, handle: str, seq: int, message_type: str, body: bytes | None) -> None:
+        """RETENTION on the sender's queue: a copy of what this endpoint sent stays there
+        (status 3) until the conversation ends. One statement, which writes nothing when
+        the sender's queue keeps nothing. (PostgreSQL's one-statement SEND leaves such
+        senders to the checked path, which calls this.)"""
+        self._execute(
+            "message_retain_sent",
+            handle=handle,
+            seq=seq,
+            message_type=message_type,
+            body=body,
+            now=time.time(),
+        )
 
     def _outgoing_row(
         self, endpoint: ConversationEndpoint, message_type: str, now: float

@@ -392,6 +392,19 @@ INSERT INTO queue_messages (
     :contract, :now, :fair_at
 );
 
+-- name: message_retain_sent
+-- RETENTION on the sending endpoint's queue: a copy of the message it sent stays there
+-- (status 3, under its handle and group) until the conversation ends; nothing otherwise.
+INSERT INTO queue_messages (
+    queue_name, conversation_group_id, conversation_handle, message_sequence_number,
+    message_type_name, message_body, priority, status, service_name, service_contract_name,
+    enqueued_at, fair_at
+)
+SELECT e.queue_name, e.conversation_group_id, e.conversation_handle, :seq, :message_type,
+    :body, e.priority, 3, e.service_name, e.contract_name, :now, 0
+FROM conversation_endpoints e JOIN queues q ON q.queue_name = e.queue_name
+WHERE e.conversation_handle = :handle AND q.is_retention_enabled;
+
 -- name: messages_move
 -- MOVE CONVERSATION: the conversation's messages follow it.
 UPDATE queue_messages SET conversation_group_id = :group_id WHERE conversation_handle = :handle;

@@ -98,7 +98,8 @@ FOR UPDATE;
 -- SEND in one round trip once both endpoints exist: check state, contract, direction and
 -- the caller's cached validation, take the sequence number, enqueue, and NOTIFY only if a
 -- receiver waits. No row back means "take the checked slow path" (it raises the precise
--- error, creates the target endpoint, or holds the message for a disabled queue); nothing
+-- error, creates the target endpoint, holds the message for a disabled queue, or keeps a
+-- copy on a sender's queue with retention, status 3); nothing
 -- was written in that case, because every check guards the one UPDATE. With :lease_id it
 -- also ends that lease; leases_completed 0 then means the lease was lost (roll back).
 WITH far AS (
@@ -110,6 +111,10 @@ WITH far AS (
     JOIN queues q ON q.queue_name = f.queue_name
     WHERE s.conversation_handle = :handle
     AND f.state IN ('SO', 'SI', 'CO') AND q.is_receive_enabled
+    -- The sender's queue keeps what it sends (RETENTION): the checked path writes the copy.
+    AND NOT EXISTS (
+        SELECT 1 FROM queues sq WHERE sq.queue_name = s.queue_name AND sq.is_retention_enabled
+    )
     AND EXISTS (
         SELECT 1 FROM contract_message_types c
         JOIN message_types mt ON mt.message_type_name = c.message_type_name
@@ -382,6 +387,10 @@ WITH far AS (
     JOIN queues q ON q.queue_name = f.queue_name
     WHERE s.conversation_handle = :handle
     AND f.state IN ('SO', 'SI', 'CO') AND q.is_receive_enabled
+    -- The sender's queue keeps what it sends (RETENTION): the checked path writes the copy.
+    AND NOT EXISTS (
+        SELECT 1 FROM queues sq WHERE sq.queue_name = s.queue_name AND sq.is_retention_enabled
+    )
     AND EXISTS (
         SELECT 1 FROM contract_message_types c
         JOIN message_types mt ON mt.message_type_name = c.message_type_name
