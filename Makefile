@@ -6,14 +6,14 @@ BENCH_STAMP := $(BENCH_VENV)/.installed
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-quick test-lowest constraints-lowest lint bench bench-venv bench-components sql clean demo
+.PHONY: venv stack test test-quick test-lowest constraints-lowest lint bench bench-venv bench-components sql clean demo
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[airflow,spark,spark-submit,binary,demo,dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[airflow,spark,spark-submit,binary,demo,dev,stack]"
 	touch $(STAMP)
 
 ## The whole suite (PostgreSQL tests skip locally without a server; CI=true makes them mandatory).
@@ -48,6 +48,11 @@ constraints-lowest:
 	  pyproject.toml --extra airflow --extra binary .ci/lowest.in --no-header --no-annotate \
 	  >> constraints-lowest.txt.new
 	mv constraints-lowest.txt.new constraints-lowest.txt
+
+## The production-shaped stack on this machine: PostgreSQL's databases, Airflow's processes, a
+## Spark standalone cluster, two workers and serve, under honcho (stack/Procfile); Ctrl-C stops it.
+stack: $(STAMP)
+	$(PY) -m stack
 
 ## The main job on the embedded default: the blog's waves as Spark SQL on SQLite + local[*].
 demo: $(STAMP)

@@ -384,6 +384,7 @@ def _worker(args: argparse.Namespace) -> int:
             master=args.master,
             conf=conf,
             max_readers=args.max_readers,
+            queue_readers=args.queue_readers,
             # A worker started by external activation never rewrites the target, whatever
             # its command says: the first worker's settings (reader caps) stand.
             init=args.init and not worker.launched_by_activation(),
@@ -762,6 +763,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     worker.add_argument(
         "--max-readers", type=_positive_int, default=4, help="tasks at once in this driver"
+    )
+    worker.add_argument(
+        "--queue-readers",
+        type=_positive_int,
+        help="most tasks at once on the queue in all its workers together (the queue's "
+        "max_queue_readers; default: --max-readers, times the launched workers plus one)",
     )
     worker.add_argument(
         "--conf", action="append", default=[], metavar="KEY=VALUE", help="a Spark setting"

@@ -69,6 +69,10 @@ class Worker:
     :param master: Spark master (default: what ``spark-submit`` set, else ``local[*]``)
     :param conf: Spark settings on top of the worker's (FAIR pools per priority)
     :param max_readers: most readers (tasks at once) in this driver
+    :param queue_readers: most readers of the queue in all its workers together (the
+        queue's ``max_queue_readers``, written with ``init``); default ``max_readers``
+        times the workers this one may launch, plus one. Several workers on one queue need
+        it: each would otherwise cap the whole queue at its own ``max_readers``
     :param spark: an existing session to use instead of building one (tests, notebooks)
     :param init: make the target (catalog, activation, allowed kinds) on start; launched
         workers skip it
@@ -88,6 +92,7 @@ class Worker:
         master: str | None = None,
         conf: Mapping[str, str] | None = None,
         max_readers: int = MAX_READERS,
+        queue_readers: int | None = None,
         kinds: Sequence[str] = KINDS,
         spark: SparkSession | None = None,
         init: bool = True,
@@ -96,7 +101,11 @@ class Worker:
         idle_exit: float | None = None,
         app_name: str = session.APP_NAME,
     ) -> None:
-        for value, what in ((max_readers, "max_readers"), (max_launched, "max_launched")):
+        for value, what in (
+            (max_readers, "max_readers"),
+            (max_launched, "max_launched"),
+            (1 if queue_readers is None else queue_readers, "queue_readers"),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{what} must be an integer >= 1, got {value!r}")
         if idle_exit is not None and idle_exit <= 0:
@@ -111,6 +120,7 @@ class Worker:
         self.master = master
         self.conf = dict(conf or {})
         self.max_readers = max_readers
+        self.queue_readers = queue_readers
         self.kinds = tuple(kinds)
         self.init = init
         self.launch_command = list(launch_command) if launch_command else None
@@ -136,7 +146,9 @@ class Worker:
             session.use(self.spark)
         catalog.prepare(self.broker)
         if self.init:
-            readers = self.max_readers * (1 + (self.max_launched if self.launch_command else 0))
+            readers = self.queue_readers or self.max_readers * (
+                1 + (self.max_launched if self.launch_command else 0)
+            )
             catalog.init(
                 self.broker,
                 targets=[

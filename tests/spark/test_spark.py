@@ -440,8 +440,23 @@ def test_worker_settings_are_checked(spark_broker: Broker) -> None:
         Worker(spark_broker, launch_command="spark-submit app.py")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="idle_exit must be > 0"):
         Worker(spark_broker, idle_exit=0)
+    with pytest.raises(InvalidArgument, match="queue_readers must be an integer >= 1, got 0"):
+        Worker(spark_broker, queue_readers=0)
     with pytest.raises(InvalidArgument, match=re.escape("--conf takes key=value, got 'spark.x'")):
         sessions.parse_conf(["spark.x"])
+
+
+@pytest.mark.parametrize(("queue_readers", "expected"), [(None, 2), (6, 6)])
+def test_a_worker_caps_its_queue_at_queue_readers_for_all_its_workers(
+    spark_broker: Broker, spark: SparkSession, queue_readers: int | None, expected: int
+) -> None:
+    # Several workers on one queue: each runs max_readers, the queue takes queue_readers
+    w = Worker(spark_broker, spark=spark, max_readers=2, queue_readers=queue_readers).start()
+    try:
+        (queue,) = [q for q in spark_broker.queues() if q.name == w.queue]
+        assert queue.max_readers == expected
+    finally:
+        w.stop()
 
 
 def test_readers_are_threads_of_the_driver_up_to_its_cap(

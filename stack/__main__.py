@@ -1,0 +1,5 @@
+"""``python -m stack``."""
+
+from stack.run import main
+
+raise SystemExit(main())
