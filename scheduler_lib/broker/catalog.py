@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import arrival, exceptions
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.models import (
     ANY,
@@ -306,8 +306,7 @@ class CatalogOperations:
                 **settings,
             )
             if settings["status"] and not current.is_receive_enabled:
-                tx._execute("transmission_release", queue=name)
-                tx._execute("transmission_delete_queue", queue=name)
+                arrival.release_held(tx, name)
             tx._touched_queues.add(name)  # waiting receivers and the monitor look again
             tx._catalog_changed = True
             return tx._queue(name)
@@ -399,8 +398,7 @@ class CatalogOperations:
                 tx._execute("service_move_messages", name=name, queue=queue)
                 tx._execute("service_move_held", name=name, queue=queue)
                 if tx._queue(queue).is_receive_enabled:
-                    tx._execute("transmission_release", queue=queue)
-                    tx._execute("transmission_delete_queue", queue=queue)
+                    arrival.release_held(tx, queue)
                 tx._touched_queues.add(queue)
             for contract in dict.fromkeys(add_contracts):
                 if contract not in accepted:

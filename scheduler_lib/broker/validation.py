@@ -18,6 +18,9 @@ INT_MAX = 2**31 - 1  # the largest count or id a column holds on every backend (
 # Levels of arrays and objects a JSON body may nest: deeper bodies are refused before they
 # are parsed (a recursive parser would run out of stack on them). serde_json's default.
 MAX_JSON_DEPTH = 128
+# The Error code of a message that fails its type's validation where it arrives (from
+# another broker, or held locally while its queue was off): SQL Server's.
+INVALID_MESSAGE_CODE = -9617
 
 Body = bytes | bytearray | memoryview | str | None
 

@@ -425,20 +425,64 @@ INSERT INTO transmission_queue (
 );
 
 -- name: transmission_release
--- The queue is on: move the messages held for it in, in arrival order.
+-- The queue is on: move the messages held for it in, in arrival order, at their
+-- endpoint's level (the one it had at SEND, unless held_reprioritize just gave it one).
 INSERT INTO queue_messages (
     queue_name, conversation_group_id, conversation_handle, message_sequence_number,
     message_type_name, message_body, priority, status, service_name, service_contract_name,
     enqueued_at, fair_at
 )
-SELECT to_queue_name, conversation_group_id, conversation_handle, message_sequence_number,
-    message_type_name, message_body, priority, 1, to_service_name, service_contract_name,
-    enqueued_at, fair_at
-FROM transmission_queue WHERE to_queue_name = :queue AND NOT is_outgoing ORDER BY message_id;
+SELECT t.to_queue_name, t.conversation_group_id, t.conversation_handle,
+    t.message_sequence_number, t.message_type_name, t.message_body,
+    coalesce(e.priority, t.priority), 1, t.to_service_name, t.service_contract_name,
+    t.enqueued_at, t.fair_at
+FROM transmission_queue t
+LEFT JOIN conversation_endpoints e ON e.conversation_handle = t.conversation_handle
+WHERE t.to_queue_name = :queue AND NOT t.is_outgoing ORDER BY t.message_id;
 
 -- name: transmission_delete_queue
 -- ... and leave the transmission queue.
 DELETE FROM transmission_queue WHERE to_queue_name = :queue AND NOT is_outgoing;
+
+-- name: held_to_check
+-- Held messages of :queue whose type's validation is not NONE (or whose type is gone),
+-- in arrival order: their bodies are checked again as they arrive (arrival.py). No row
+-- in the usual case, and the release stays set-based.
+SELECT t.message_id, t.conversation_handle, t.message_sequence_number,
+    t.message_type_name, t.message_body, mt.validation
+FROM transmission_queue t
+LEFT JOIN message_types mt ON mt.message_type_name = t.message_type_name
+WHERE t.to_queue_name = :queue AND NOT t.is_outgoing
+AND t.message_type_name NOT IN ('EndDialog', 'Error', 'DialogTimer')
+AND (mt.validation IS NULL OR mt.validation <> 'NONE')
+ORDER BY t.message_id;
+
+-- name: held_drop_from
+-- A held message failed its check on arrival: it and what its conversation has held
+-- after it are not delivered.
+DELETE FROM transmission_queue
+WHERE conversation_handle = :handle AND NOT is_outgoing AND message_id >= :message_id;
+
+-- name: held_reprioritize
+-- A target endpoint whose first message (number 0) is held for :queue takes its level
+-- as that message reaches the queue (seed 001): the most specific matching priority
+-- that exists now, as endpoint_insert chooses it, else 5.
+UPDATE conversation_endpoints SET priority = coalesce((
+    SELECT p.priority_level FROM conversation_priorities p
+    WHERE (p.contract_name IS NULL
+        OR p.contract_name = conversation_endpoints.contract_name)
+    AND (p.local_service_name IS NULL
+        OR p.local_service_name = conversation_endpoints.service_name)
+    AND (p.remote_service_name IS NULL
+        OR p.remote_service_name = conversation_endpoints.far_service_name)
+    ORDER BY (p.contract_name IS NOT NULL) DESC, (p.local_service_name IS NOT NULL) DESC,
+        (p.remote_service_name IS NOT NULL) DESC
+    LIMIT 1
+), 5)
+WHERE NOT is_initiator AND conversation_handle IN (
+    SELECT conversation_handle FROM transmission_queue
+    WHERE to_queue_name = :queue AND NOT is_outgoing AND message_sequence_number = 0
+);
 
 -- name: transmission_delete_conversation
 -- Ending or cleaning up a conversation drops what it still had in transit.

@@ -41,7 +41,7 @@ SENDABLE = (
 )
 CLOSED_RETENTION = 1800.0  # seconds a remote conversation's closed endpoint is kept
 CACHE_TTL = 60.0  # seconds the catalog facts checked on arrival are trusted
-INVALID_MESSAGE_CODE = -9617  # SQL Server's "message failed validation" error
+INVALID_MESSAGE_CODE = checks.INVALID_MESSAGE_CODE  # "message failed validation"
 # An outcome that is neither an acknowledgement nor a refusal: the sender tries again
 # later (a conversation's later message before the one that creates its endpoint).
 NOT_YET = "\x00not yet"
