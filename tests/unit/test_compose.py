@@ -293,6 +293,22 @@ def test_the_worker_is_submitted_to_the_spark_master(compose: dict[str, Any]) ->
     assert "spark://spark-master:7077" in services["spark-worker"]["command"]
     assert "org.apache.spark.deploy.master.Master" in services["spark-master"]["command"]
     assert worker["environment"]["SCHEDULER_LIB_DB"].startswith("postgresql://scheduler_lib_app:")
+    # And the database URL stays in the environment (the CLI's --db default), off the
+    # command line that `ps` shows; the queue's cap over all workers is set with it
+    assert "--db" not in script and "SCHEDULER_LIB_DB" not in script
+    assert '--queue-readers "${SCHEDULER_LIB_QUEUE_READERS}"' in script
+
+
+def test_serve_runs_the_other_targets_as_the_app_role(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    serve = services["scheduler-lib-serve"]
+    # Then `scheduler-lib serve` runs from the package's image, once the schema exists
+    assert serve["image"] == services["broker-init"]["image"]
+    assert serve["command"] == ["serve"]
+    assert serve["depends_on"]["broker-init"]["condition"] == "service_completed_successfully"
+    assert serve["restart"] == "always"
+    # And as the role that reads and writes rows, from the environment
+    assert serve["environment"]["SCHEDULER_LIB_DB"].startswith("postgresql://scheduler_lib_app:")
 
 
 def test_postgres_holds_both_databases_through_the_init_script(compose: dict[str, Any]) -> None:
