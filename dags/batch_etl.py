@@ -30,7 +30,12 @@ from scheduler_lib.airflow import ordered_waves
 ORDERS = 60_000  # rows the load wave generates per run
 CUSTOMERS = 5_000
 PRODUCTS = 800
-DAY = "{{ ds_nodash }}"  # each run's tables carry its logical date
+# Each run's data and tables carry its date: the logical date, or for a run triggered
+# without one (Airflow 3's REST API and UI may leave it out, and `ds`, `ds_nodash` and
+# `logical_date` are then undefined) the date it was triggered for.
+RUN_DATE = "(dag_run.logical_date or dag_run.run_after)"
+DATE = "{{ " + RUN_DATE + " | ds }}"
+DAY = "{{ " + RUN_DATE + " | ds_nodash }}"
 REGIONS = "'north', 'south', 'east', 'west'"
 CATEGORIES = "'books', 'games', 'garden', 'kitchen', 'toys'"
 
@@ -61,7 +66,7 @@ LOAD = [
             f"SELECT id AS order_id, pmod(hash(id, 1), {CUSTOMERS}) AS customer_id, "
             f"pmod(hash(id, 2), {PRODUCTS}) AS product_id, "
             "CAST(1 + pmod(hash(id, 3), 4) AS INT) AS quantity, "
-            "to_date('{{ ds }}') AS order_date "
+            f"to_date('{DATE}') AS order_date "
             f"FROM range({ORDERS})",
         ),
     ),

@@ -90,6 +90,16 @@ def test_example_dags_run_on_a_spark_worker(
         assert all(r["revenue"] > 0 for r in report)
         assert all(r["spark_job_group"] == f"scheduler_lib-{r['log_id']}" for r in rows)
 
+        # And a run triggered without a logical date (Airflow 3's REST API and UI may leave
+        # it out: `ds` and `logical_date` are then undefined) succeeds too, its tables
+        # named after the day it was triggered for
+        run = etl.test(logical_date=None)
+        assert run.state == "success", states(run)
+        rows = sorted(log_rows(broker, run.run_id), key=lambda r: r["log_id"])
+        assert {r["status"] for r in rows} == {"SUCCEEDED"}, [r["error"] for r in rows]
+        day = run.run_after.strftime("%Y%m%d")
+        assert f"raw_orders_{day}" in json.loads(rows[0]["task_body"])["sql"][1]
+
 
 def test_a_failed_task_fails_its_sensor_and_the_run_and_the_release_still_runs(
     dags: dict[str, Any], broker: Broker
