@@ -61,6 +61,7 @@ DEFAULTS = {
     "AIRFLOW_PORT": "8080",
     "AIRFLOW_SCHEDULER_HEALTH_PORT": "8974",
     "SPARK_MASTER_PORT": "7077",
+    "HIVE_METASTORE_PORT": "9083",
     "SPARK_MASTER_UI_PORT": "8081",
     "SPARK_WORKER_1_UI_PORT": "8082",
     "SPARK_WORKER_2_UI_PORT": "8083",
@@ -131,7 +132,8 @@ def process_environment(s: Mapping[str, str]) -> dict[str, str]:
         "PYSPARK_PYTHON": sys.executable,
         "PYSPARK_DRIVER_PYTHON": sys.executable,
         "SPARK_LOCAL_IP": "127.0.0.1",
-        "SPARK_CONF_DIR": str(ROOT / "stack" / "spark-conf"),  # its logging
+        # Spark's logging and the Hive metastore's settings (prepare writes them there).
+        "SPARK_CONF_DIR": str(Path(s["STACK_DIR"]) / "spark-conf"),
         "SPARK_DAEMON_MEMORY": s["SPARK_DAEMON_MEMORY"],
         # scheduler-lib worker and serve: the broker as the role that reads and writes rows
         "SCHEDULER_LIB_DB": app_url,
@@ -233,6 +235,7 @@ def prepare(s: Mapping[str, str], env: Mapping[str, str]) -> None:
         [str(BIN / "scheduler-lib"), "init"],
         {**env, "SCHEDULER_LIB_DB": owner},
     )
+    spark_target(owner, s)
     home = Path(env["AIRFLOW_HOME"])
     home.mkdir(parents=True, exist_ok=True)
     passwords = home / "passwords.json"
@@ -241,6 +244,51 @@ def prepare(s: Mapping[str, str], env: Mapping[str, str]) -> None:
     run("airflow db migrate", [str(BIN / "airflow"), "db", "migrate"], env)
     for worker in ("worker-1", "worker-2"):
         (Path(s["STACK_DIR"]) / "spark" / worker).mkdir(parents=True, exist_ok=True)
+    conf = Path(env["SPARK_CONF_DIR"])
+    conf.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "stack" / "spark-conf" / "log4j2.properties", conf)
+    (conf / "hive-site.xml").write_text(hive_site(Path(s["STACK_DIR"])))
+
+
+def spark_target(owner_url: str, s: Mapping[str, str]) -> None:
+    """The Spark target as the workers make it, before they start: a DAG triggered while
+    their drivers still start would otherwise find the target of `scheduler-lib init`
+    (sql and python only) and be refused ("does not run 'spark_sql' tasks")."""
+    from scheduler_lib.broker import Broker
+    from scheduler_lib.broker.exceptions import BrokerError
+    from scheduler_lib.scheduler import catalog
+    from scheduler_lib.spark import worker
+
+    target = catalog.Target(
+        kinds=worker.KINDS,
+        max_readers=int(s["SCHEDULER_LIB_QUEUE_READERS"]),
+        procedure=worker.PROCEDURE,
+    )
+    try:
+        with Broker(owner_url) as broker:
+            catalog.init(broker, targets=[target])
+    except BrokerError as exc:
+        raise StackError(f"the Spark target: {exc}") from exc
+
+
+def hive_site(state: Path) -> str:
+    """The Hive metastore service's settings: its tables in an embedded Derby database and
+    the warehouse under ``state`` (docker/hive-site.xml has the same for compose)."""
+    settings = {
+        "javax.jdo.option.ConnectionURL": (
+            f"jdbc:derby:;databaseName={state / 'metastore_db'};create=true"
+        ),
+        # The metastore creates its schema on first use (no schematool in the wheel).
+        "datanucleus.schema.autoCreateAll": "true",
+        "hive.metastore.schema.verification": "false",
+        "hive.metastore.warehouse.dir": str(state / "warehouse"),
+        # Hive's asynchronous logging needs a jar the pyspark wheel does not ship.
+        "hive.async.log.enabled": "false",
+    }
+    properties = "".join(
+        f"  <property><name>{k}</name><value>{v}</value></property>\n" for k, v in settings.items()
+    )
+    return f'<?xml version="1.0"?>\n<configuration>\n{properties}</configuration>\n'
 
 
 def main(argv: list[str] | None = None) -> int:

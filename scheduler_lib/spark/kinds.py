@@ -69,7 +69,7 @@ def spark_job(context: TaskContext) -> Iterator[SparkSession]:
     """The worker's session, with the calling thread's jobs in the task's job group and
     its priority's pool for the ``with`` block; a cancel of the task cancels the group.
 
-    Two py4j calls set it up (each is a round trip to the JVM). The properties stay on the
+    Three py4j calls set it up (each is a round trip to the JVM). The properties stay on the
     reader's thread after the task: that thread starts no job before its next task sets
     them again.
     """
@@ -81,6 +81,11 @@ def spark_job(context: TaskContext) -> Iterator[SparkSession]:
     # interruptOnCancel: a cancel interrupts the job's running Spark tasks too.
     sc.setJobGroup(group, f"{context.task.label} (log {context.log_id})", True)
     sc.setLocalProperty("spark.scheduler.pool", sessions.pool_for(context.priority))
+    # Tables another application (or session) rewrote since this session last read them:
+    # its cached relations would still list the old files (FAILED_READ_FILE.FILE_NOT_EXIST
+    # when a later wave ran on another worker of a shared metastore). A task starts from
+    # the catalog as it is now. No public API drops them all; the call costs ~0.2 ms.
+    spark._jsparkSession.sessionState().catalog().invalidateAllCachedTables()
     forget = context.on_cancel(lambda: sc.cancelJobGroup(group))
     try:
         yield spark

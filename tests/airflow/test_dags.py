@@ -92,13 +92,13 @@ def test_example_dags_run_on_a_spark_worker(
 
         # And a run triggered without a logical date (Airflow 3's REST API and UI may leave
         # it out: `ds` and `logical_date` are then undefined) succeeds too, its tables
-        # named after the day it was triggered for
+        # named after the instant it was triggered for
         run = etl.test(logical_date=None)
         assert run.state == "success", states(run)
         rows = sorted(log_rows(broker, run.run_id), key=lambda r: r["log_id"])
         assert {r["status"] for r in rows} == {"SUCCEEDED"}, [r["error"] for r in rows]
-        day = run.run_after.strftime("%Y%m%d")
-        assert f"raw_orders_{day}" in json.loads(rows[0]["task_body"])["sql"][1]
+        instant = run.run_after.strftime("%Y%m%dT%H%M%S")
+        assert f"raw_orders_{instant} " in json.loads(rows[0]["task_body"])["sql"][1]
 
 
 def test_a_failed_task_fails_its_sensor_and_the_run_and_the_release_still_runs(

@@ -46,6 +46,34 @@ def log_row(broker: Broker, log_id: int) -> Any:
 # --- spark_sql -----------------------------------------------------------------------
 
 
+def test_a_task_reads_a_table_as_another_application_last_wrote_it(
+    scheduler: TaskScheduler, spark: SparkSession
+) -> None:
+    def count() -> int:
+        report = scheduler.run_waves(
+            [[{"kind": "spark_sql", "name": "count", "sql": "SELECT count(*) AS n FROM rewritten"}]]
+        )
+        [done] = report.completions
+        assert done.ok, done.error
+        return int(done.result["rows"][0]["n"])
+
+    # Given a table a task has read (its session caches the table's files)
+    spark.sql("DROP TABLE IF EXISTS rewritten")
+    spark.sql("CREATE TABLE rewritten USING parquet AS SELECT id FROM range(10)")
+    assert count() == 10
+    # When another session sharing the catalog rewrites it, as another worker application
+    # on the same metastore does in the wave before
+    other = spark.newSession()
+    other.sql("DROP TABLE rewritten")
+    other.sql("CREATE TABLE rewritten USING parquet AS SELECT id FROM range(25)")
+
+    # Then the next task reads the new files, not the cached list of the old ones
+    try:
+        assert count() == 25
+    finally:
+        spark.sql("DROP TABLE IF EXISTS rewritten")
+
+
 def test_spark_sql_runs_statements_in_order_and_returns_the_last_ones_rows(
     scheduler: TaskScheduler, spark: SparkSession
 ) -> None:

@@ -25,6 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # service where one machine runs two named processes.
 SERVICE_OF = {
     "spark-master": "spark-master",
+    "hive-metastore": "hive-metastore",
     "spark-worker-1": "spark-worker",
     "spark-worker-2": "spark-worker",
     "airflow-apiserver": "airflow-apiserver",
@@ -77,12 +78,12 @@ PROCESS_ONLY = {
 AIRFLOW_ENTRY_POINT = ["airflow"]
 
 HOST_FLAGS = {"--host"}
-PORT_FLAGS = {"--port", "--webui-port"}
+PORT_FLAGS = {"--port", "--webui-port", "-p"}
 HOST_CONFS = {"spark.driver.host", "spark.driver.bindAddress"}
 PORT_CONFS = {"spark.ui.port"}
 # Where a Spark application keeps state: a named volume in compose, .stack/ on one machine.
 DIR_CONFS = {"spark.sql.warehouse.dir"}
-_SPARK_URL = re.compile(r"spark://[^:/\s]+:[^/\s]+")
+_SPARK_URL = re.compile(r"(spark|thrift)://[^:/\s]+:[^/\s]+")
 _SECRET_NAME = re.compile(r"PASSWORD|SECRET|_KEY\b|SCHEDULER_LIB_DB|_CONN\b|_CONN_")
 _URL_WITH_PASSWORD = re.compile(r"://[^/\s:@]+:[^/\s@]+@")
 
@@ -130,7 +131,7 @@ def compose_words(service: dict[str, Any]) -> list[str]:
 def value(word: str) -> str:
     """A literal stays itself; a command substitution stays itself (it names what runs);
     anything else with a ``$`` is a variable (a host, port or size of its environment)."""
-    word = _SPARK_URL.sub("spark://HOST:PORT", word)
+    word = _SPARK_URL.sub(r"\1://HOST:PORT", word)
     if re.fullmatch(r"\$\([^)]*\)", word):
         return word
     return "VAR" if "$" in word else word
@@ -149,7 +150,7 @@ def normalise(words: list[str]) -> list[Item]:
     while index < len(words):
         word = words[index]
         following = words[index + 1] if index + 1 < len(words) else None
-        if not word.startswith("--"):
+        if not word.startswith("-"):
             items.append((value(word),))
             index += 1
             continue
