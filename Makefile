@@ -6,7 +6,7 @@ BENCH_STAMP := $(BENCH_VENV)/.installed
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv stack test test-quick test-lowest constraints-lowest lint bench bench-venv bench-components sql clean demo
+.PHONY: venv stack stack-test test test-quick test-lowest constraints-lowest lint bench bench-venv bench-components sql clean demo
 
 venv: $(STAMP)
 
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 ## The whole suite (PostgreSQL tests skip locally without a server; CI=true makes them mandatory).
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --ignore=tests/stack
+
+## The process stack's tests (tests/stack): make stack driven end to end, and its parity with
+## docker-compose.yaml (.ci/run runs them after `make test`).
+stack-test: $(STAMP)
+	$(PY) -m pytest tests/stack -p no:cacheprovider
 
 ## The provider's tests on the lowest Airflow and Python that pyproject.toml declares, in a venv
 ## of their own pinned by constraints-lowest.txt (.ci/run runs it after `make test`). The package
