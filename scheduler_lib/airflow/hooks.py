@@ -27,7 +27,14 @@ from typing import Any
 import sqlalchemy as sa
 from airflow.sdk import BaseHook
 
-from scheduler_lib.broker import Broker, ConnectionLost, DatabaseUnavailable, connections, schema
+from scheduler_lib.broker import (
+    Broker,
+    ConnectionLost,
+    DatabaseUnavailable,
+    connections,
+    engine,
+    schema,
+)
 from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
 from scheduler_lib.scheduler import KindNotAllowed, TaskScheduler, catalog
 
@@ -92,10 +99,11 @@ def broker_url(conn: Any) -> str:
         )
     try:
         url = sa.make_url(raw)
-    except sa.exc.ArgumentError:
+    except (sa.exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
         raise InvalidArgument(
-            f"connection {conn.conn_id!r}: host {raw!r} is not a SQLAlchemy URL "
-            "(e.g. sqlite:////var/lib/scheduler_lib.db or postgresql://user@host/db)"
+            f"connection {conn.conn_id!r}: host {engine.mask_password(raw)!r} is not a "
+            "SQLAlchemy URL (e.g. sqlite:////var/lib/scheduler_lib.db or "
+            "postgresql://user@host/db)"
         ) from None
     if conn.password and url.password is None:
         url = url.set(password=conn.password)

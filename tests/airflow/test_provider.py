@@ -131,10 +131,11 @@ def test_the_connection_password_goes_into_the_url_and_bad_hosts_are_named() -> 
     with_own = Connection(conn_id="c", conn_type="scheduler_lib", host="postgresql://me:x@db/b")
     with_own.password = "other"
     assert hooks.broker_url(with_own) == "postgresql://me:x@db/b"  # the URL's own wins
-    for host in ("", "not a url"):
+    for host in ("", "not a url", "postgresql://me:s3cret@db:notaport/b"):
         bad = Connection(conn_id="broken_conn", conn_type="scheduler_lib", host=host)
-        with pytest.raises(InvalidArgument, match="connection 'broken_conn'"):
+        with pytest.raises(InvalidArgument, match="connection 'broken_conn'") as raised:
             hooks.broker_url(bad)
+        assert "s3cret" not in str(raised.value)
 
 
 def test_connection_extras_are_checked() -> None:
