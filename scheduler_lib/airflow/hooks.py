@@ -201,11 +201,13 @@ def _state(broker: Broker) -> _State:
 
 
 def ready(broker: Broker, *, migrate: bool = False) -> None:
-    """Bring the schemas up to date, once per broker, riding through an outage: the
-    broker's (with ``migrate``, for a broker opened with ``migrate=False``) and the
-    scheduler's (what ``TaskScheduler()`` and the page's queries need).
+    """Make the schemas ready, once per broker, riding through an outage: with
+    ``migrate``, bring the broker's (for a broker opened with ``migrate=False``) and the
+    scheduler's (what ``TaskScheduler()`` and the page's queries need) up to date;
+    without it, check that the scheduler's is.
 
     :raises DatabaseUnavailable: the database stayed away past the reconnect deadline
+    :raises SchemaNotCurrent: without ``migrate``, the scheduler's schema is not current
     """
     # Broker.apply_migrations rides through an outage itself (catalog.prepare runs it).
     state = _state(broker)
@@ -214,8 +216,10 @@ def ready(broker: Broker, *, migrate: bool = False) -> None:
             broker.apply_migrations(schema.BROKER)
         state.migrated = True
     if not state.prepared:
+        # Without ``migrate`` (the connection's default, and the page's monitor role, which
+        # may not change the schema) the scheduler's schema is checked, not migrated.
         with quiet_migrations():
-            catalog.prepare(broker)
+            catalog.prepare(broker, migrate=migrate)
         state.prepared = True
 
 
@@ -330,7 +334,10 @@ class SchedulerLibHook(BaseHook):
         """A task scheduler on the broker; ``context`` is Airflow's dag/run/task ids,
         written into ``execution_log`` with every task sent."""
         return open_scheduler(
-            self.get_conn(), target=target or self.target_service, context=context
+            self.get_conn(),
+            migrate=self.settings()[1]["migrate"],
+            target=target or self.target_service,
+            context=context,
         )
 
     def test_connection(self) -> tuple[bool, str]:

@@ -130,6 +130,13 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         this broker's database. Idempotent."""
         self.retrying(lambda: _migrating(self._engine, migrations), what="migrate")
 
+    def schema_revision(self, migrations: schema.MigrationSet = schema.BROKER) -> str | None:
+        """The revision a layer's schema is at on this broker's database (``None``: not
+        there), read without writing anything; rides through an outage."""
+        return self.retrying(
+            lambda: _reading_revision(self._engine, migrations), what="read the schema"
+        )
+
     def _engines(self) -> list[sa.Engine]:
         engines = [self._engine, self._autocommit_engine, self._async_engine]
         return [e for e in engines if e is not None]
@@ -604,6 +611,18 @@ def _migrating(engine: sa.Engine, migrations: schema.MigrationSet = schema.BROKE
             raise connections.connect_error(engine, "migrate", exc) from exc
         if engine.dialect.name == "postgresql" and connections.is_lost(exc):
             raise connections.lost("migrate", exc) from exc
+        raise
+
+
+def _reading_revision(engine: sa.Engine, migrations: schema.MigrationSet) -> str | None:
+    """:func:`schema.current`, a failure to connect said as :func:`_migrating` says it."""
+    try:
+        return schema.current(engine, migrations)
+    except sa.exc.DBAPIError as exc:
+        if exc.statement is None:
+            raise connections.connect_error(engine, "read the schema", exc) from exc
+        if engine.dialect.name == "postgresql" and connections.is_lost(exc):
+            raise connections.lost("read the schema", exc) from exc
         raise
 
 

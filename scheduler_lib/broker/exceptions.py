@@ -97,6 +97,11 @@ class TransactionError(BrokerError):
     """The transaction is not usable for this operation."""
 
 
+class SchemaNotCurrent(BrokerError):
+    """A layer's schema is missing or at another revision, and the caller may not
+    migrate it (a role without DDL rights, ``migrate=False``)."""
+
+
 class DatabaseError(BrokerError):
     """The database reported an error the broker did not expect."""
 

@@ -17,7 +17,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from scheduler_lib.broker import Broker, PoisonPolicy, schema
-from scheduler_lib.broker.exceptions import AlreadyExists, ContractNotFound, InvalidArgument
+from scheduler_lib.broker.exceptions import (
+    AlreadyExists,
+    ContractNotFound,
+    InvalidArgument,
+    SchemaNotCurrent,
+)
 from scheduler_lib.broker.poison import Notify
 
 MIGRATIONS = schema.MigrationSet("scheduler_lib.scheduler:migrations", "scheduler_alembic_version")
@@ -64,15 +69,33 @@ class Target:
     address: str | None = None
 
 
-def prepare(broker: Broker) -> None:
+def prepare(broker: Broker, *, migrate: bool = True) -> None:
     """The scheduler's schema and queries on this broker (idempotent, cheap). The
-    readers of a wave start together: one of them prepares, the others wait for it."""
+    readers of a wave start together: one of them prepares, the others wait for it.
+
+    :param migrate: bring the schema up to date; without it, only check that it is (for
+        roles that may not change the schema: the page's monitor role, a connection with
+        ``"migrate": false``)
+    :raises SchemaNotCurrent: without ``migrate``, a schema that is missing or not at
+        this version's revision
+    """
     if getattr(broker, "_scheduler_prepared", False):
         return
     with _PREPARING:
         if getattr(broker, "_scheduler_prepared", False):
             return
-        broker.apply_migrations(MIGRATIONS)
+        if migrate:
+            broker.apply_migrations(MIGRATIONS)
+        else:
+            current, head = broker.schema_revision(MIGRATIONS), schema.head(MIGRATIONS)
+            if current != head:
+                shown = broker.url.render_as_string(hide_password=True)
+                raise SchemaNotCurrent(
+                    f"{shown}: the scheduler's schema is "
+                    + ("missing" if current is None else f"at revision {current}")
+                    + f", this version needs {head}, and this connection does not migrate",
+                    hint=f"run `scheduler-lib init --db URL` as the schema's owner role on {shown}",
+                )
         broker.use_queries(QUERIES)
         broker._scheduler_prepared = True  # type: ignore[attr-defined]
 

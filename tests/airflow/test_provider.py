@@ -169,6 +169,35 @@ def test_test_connection_says_what_is_wrong(
     assert not ok and "unknown extra field" in message
 
 
+def test_a_connection_that_does_not_migrate_checks_the_schema_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import sqlalchemy as sa
+
+    from scheduler_lib.broker.exceptions import SchemaNotCurrent
+
+    # Given a database with the broker's schema but not the scheduler's, and a connection
+    # to it with "migrate": false (a role that may not change the schema)
+    url = f"sqlite:///{tmp_path / 'broker.db'}"
+    Broker(url).close()
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_NO_MIGRATE",
+        json.dumps({"conn_type": "scheduler_lib", "host": url, "extra": {"migrate": False}}),
+    )
+    engine = sa.create_engine(url)
+    tables = set(sa.inspect(engine).get_table_names())
+
+    # When a task opens the scheduler through it
+    with pytest.raises(SchemaNotCurrent) as raised:
+        SchedulerLibHook("no_migrate").get_scheduler()
+
+    # Then it is told what is missing and who may create it, and nothing was created
+    assert "the scheduler's schema is missing" in str(raised.value)
+    assert "scheduler-lib init" in str(raised.value)
+    assert set(sa.inspect(engine).get_table_names()) == tables
+    engine.dispose()
+
+
 # --- the trigger --------------------------------------------------------------------------
 
 
