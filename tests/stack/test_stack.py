@@ -142,6 +142,15 @@ def wait_ready(stack: Stack) -> None:
             return len(alive) == 2 and len(apps) == 2
 
         wait_for(cluster, READY, "two Spark workers and two applications", check=stack.check_alive)
+        # An application registers with the master before its driver serves the queue
+        # (its session warms up first): wait for the line each worker prints then, as an
+        # operator would.
+        wait_for(
+            lambda: stack.processes.log_text("stack").count("worker serving QueueAsyncTarget") >= 2,
+            READY,
+            "both scheduler-lib workers serving",
+            check=stack.check_alive,
+        )
     except HarnessError as exc:
         pytest.fail(f"{exc}\n{stack.tail()}")
 
@@ -202,15 +211,15 @@ def test_make_stack_runs_both_example_dags_over_two_workers_and_stops_on_ctrl_c(
         runs = {}
         for dag_id in (ETL, BLOG):
             api.unpause(dag_id)
+
+        def scheduled_run_ended() -> bool:
+            # Unpausing makes it (the latest daily interval): it exists, then it ends.
+            found = api.expect("GET", f"/api/v2/dags/{ETL}/dagRuns")["dag_runs"]
+            return bool(found) and all(r["state"] in ("success", "failed") for r in found)
+
         try:
             wait_for(
-                lambda: (
-                    not [
-                        r
-                        for r in api.expect("GET", f"/api/v2/dags/{ETL}/dagRuns")["dag_runs"]
-                        if r["state"] not in ("success", "failed")
-                    ]
-                ),
+                scheduled_run_ended,
                 RUN_DEADLINE,
                 "the ETL DAG's scheduled run ended",
                 check=stack.check_alive,
