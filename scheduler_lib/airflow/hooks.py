@@ -99,11 +99,13 @@ def broker_url(conn: Any) -> str:
         )
     try:
         url = sa.make_url(raw)
-    except (sa.exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
+    except (sa.exc.ArgumentError, ValueError) as exc:  # ValueError: a port not a number
+        # What SQLAlchemy says names the part at fault (e.g. the port 'notaport').
+        why = "" if isinstance(exc, sa.exc.ArgumentError) else f" ({exc})"
         raise InvalidArgument(
             f"connection {conn.conn_id!r}: host {engine.mask_password(raw)!r} is not a "
-            "SQLAlchemy URL (e.g. sqlite:////var/lib/scheduler_lib.db or "
-            "postgresql://user@host/db)"
+            f"SQLAlchemy URL{engine.mask_password(why)} (e.g. "
+            "sqlite:////var/lib/scheduler_lib.db or postgresql://user@host/db)"
         ) from None
     if conn.password and url.password is None:
         url = url.set(password=conn.password)
