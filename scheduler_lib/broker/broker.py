@@ -602,27 +602,25 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
 def _migrating(engine: sa.Engine, migrations: schema.MigrationSet = schema.BROKER) -> None:
     """Apply the migrations; a server that is not up yet is a lost connection (a broker
     started during an outage waits for the database, as its operations do)."""
-    try:
-        schema.migrate(engine, migrations=migrations)
-    except sa.exc.DBAPIError as exc:
-        if exc.statement is None:
-            # Opening the connection failed (no statement ran): an outage to wait out,
-            # or a setting to fix, said at once.
-            raise connections.connect_error(engine, "migrate", exc) from exc
-        if engine.dialect.name == "postgresql" and connections.is_lost(exc):
-            raise connections.lost("migrate", exc) from exc
-        raise
+    _schema_call(engine, "migrate", lambda: schema.migrate(engine, migrations=migrations))
 
 
 def _reading_revision(engine: sa.Engine, migrations: schema.MigrationSet) -> str | None:
     """:func:`schema.current`, a failure to connect said as :func:`_migrating` says it."""
+    return _schema_call(engine, "read the schema", lambda: schema.current(engine, migrations))
+
+
+def _schema_call(engine: sa.Engine, what: str, call: Callable[[], T]) -> T:
+    """``call()`` on its own connection, its connection failures said the broker's way."""
     try:
-        return schema.current(engine, migrations)
+        return call()
     except sa.exc.DBAPIError as exc:
         if exc.statement is None:
-            raise connections.connect_error(engine, "read the schema", exc) from exc
+            # Opening the connection failed (no statement ran): an outage to wait out,
+            # or a setting to fix, said at once.
+            raise connections.connect_error(engine, what, exc) from exc
         if engine.dialect.name == "postgresql" and connections.is_lost(exc):
-            raise connections.lost("read the schema", exc) from exc
+            raise connections.lost(what, exc) from exc
         raise
 
 
