@@ -49,6 +49,8 @@ SECRETS = (
 DEFAULTS = {
     "STACK_DIR": str(ROOT / ".stack"),
     "STACK_ENV_FILE": str(ROOT / ".env"),
+    # The DAGs Airflow parses: the checkout's examples, or a folder of the operator's own.
+    "STACK_DAGS_FOLDER": str(ROOT / "dags"),
     "POSTGRES_HOST": "127.0.0.1",
     "POSTGRES_PORT": "5432",
     "POSTGRES_SUPERUSER": "postgres",
@@ -164,7 +166,7 @@ def process_environment(s: Mapping[str, str]) -> dict[str, str]:
         "AIRFLOW__API__PORT": s["AIRFLOW_PORT"],
         "AIRFLOW__API__BASE_URL": api,
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{api}/execution/",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__DAGS_FOLDER": s["STACK_DAGS_FOLDER"],
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "true",
         "AIRFLOW__CORE__LOAD_EXAMPLES": "false",

@@ -1,0 +1,152 @@
+"""What the scenarios of tests/stack share: the running stack and how to look at it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import sqlalchemy as sa
+
+from bench.airflow_standalone import Api, HarnessError, Processes, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+READY = 360.0  # seconds for the stack to come up (about 90 on a quiet 2-core machine)
+STOP_DEADLINE = 90.0  # seconds for Ctrl-C to stop everything (honcho: SIGTERM, 5 s, SIGKILL)
+SUPERUSER = "postgresql+psycopg://postgres@127.0.0.1:5432/"
+SERVING = "worker serving QueueAsyncTarget"  # what a scheduler-lib worker logs once it serves
+
+
+@dataclass
+class Stack:
+    make: subprocess.Popen[bytes]
+    processes: Processes
+    env: dict[str, str]
+    api: Api
+    broker_db: str
+    marks: Path  # where tests.stack.marks writes what task bodies did
+    memory: MemorySampler
+
+    def check_alive(self) -> None:
+        if self.make.poll() is not None:
+            raise HarnessError(f"make stack ended ({self.make.returncode}):\n{self.tail()}")
+
+    def tail(self, lines: int = 60) -> str:
+        return self.processes.tail("stack", lines)
+
+    def log_text(self) -> str:
+        return self.processes.log_text("stack")
+
+    def wait(self, condition: Callable[[], Any], timeout: float, what: str) -> Any:
+        """:func:`wait_for` while the stack runs; a failure shows the stack's last lines."""
+        try:
+            return wait_for(condition, timeout, what, check=self.check_alive)
+        except HarnessError as exc:
+            pytest.fail(f"{exc}\n{self.tail()}")
+
+    def spark_master(self) -> dict[str, Any]:
+        return self.spark_json(self.env["SPARK_MASTER_UI_PORT"])
+
+    @staticmethod
+    def spark_json(port: str | int) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/", timeout=10) as answer:
+            return dict(json.load(answer))
+
+    def serving(self) -> int:
+        """How often a scheduler-lib worker said it serves (once per start)."""
+        return self.log_text().count(SERVING)
+
+    def wait_ready(self, serving: int = 2) -> None:
+        """Airflow healthy, the Spark cluster's two workers and two applications up, and
+        ``serving`` 'worker serving' lines logged (2 after the start; one more after each
+        worker a scenario killed)."""
+        self.wait(self.api.healthy, READY, "Airflow's components healthy")
+
+        def cluster() -> bool:
+            try:
+                master = self.spark_master()
+            except OSError:
+                return False
+            alive = [w for w in master.get("workers", []) if w.get("state") == "ALIVE"]
+            apps = [a for a in master.get("activeapps", []) if a.get("state") == "RUNNING"]
+            return len(alive) == 2 and len(apps) == 2
+
+        self.wait(cluster, READY, "two Spark workers and two applications")
+        # An application registers with the master before its driver serves the queue
+        # (its session warms up first): wait for the line each worker prints then, as an
+        # operator would.
+        self.wait(lambda: self.serving() >= serving, READY, f"{serving} 'worker serving' lines")
+
+    def log_rows(self, run_id: str) -> list[dict[str, Any]]:
+        """``execution_log``'s rows of an Airflow run, in log id order."""
+        engine = sa.create_engine(SUPERUSER + self.broker_db)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(
+                    sa.text("SELECT * FROM execution_log WHERE run_id = :run ORDER BY log_id"),
+                    {"run": run_id},
+                )
+                return [dict(r._mapping) for r in rows]
+        finally:
+            engine.dispose()
+
+
+def memory(processes: list[psutil.Process]) -> int:
+    """Bytes of memory ``processes`` use: their proportional set sizes summed (a page
+    shared by n processes counts 1/n in each: forked Airflow workers are not counted
+    many times over)."""
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_full_info().pss
+        except (psutil.Error, OSError):
+            continue  # ended meanwhile
+    return total
+
+
+class MemorySampler:
+    """The stack's memory every ``interval`` seconds, from its start to its stop: the
+    highest and the latest figure (issue 23's budget is 8 GiB)."""
+
+    def __init__(self, state: str, interval: float = 5.0) -> None:
+        self.state = state
+        self.interval = interval
+        self.peak = self.latest = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-memory", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def sample(self) -> int:
+        self.latest = memory(stack_processes(self.state))
+        self.peak = max(self.peak, self.latest)
+        return self.latest
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+
+def stack_processes(state: str) -> list[psutil.Process]:
+    """Every process on the machine that belongs to the stack whose state is ``state``
+    (each has it in its environment: honcho gives it to all, and they to their children)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("STACK_DIR") == state:
+                found.append(process)
+        except (psutil.Error, OSError):
+            continue
+    return found
