@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 
 ACTIVATED_QUEUE_ENV = "SCHEDULER_LIB_ACTIVATED_QUEUE"  # tells the command which queue to read
 RECEIVE_TIMEOUT = 1.0  # seconds a launcher waits for events per round
+# Seconds between checks that the subscription is whole, when a ``resubscribe`` is given:
+# a notification dropped alone leaves the queue there but silent, which RECEIVE can't tell.
+RESUBSCRIBE_INTERVAL = 30.0
 
 
 class Launcher:
@@ -39,6 +43,11 @@ class Launcher:
     :param max_processes: most started processes running at once
     :param should_launch: asked before each start; ``False`` drops the event (e.g. a
         Spark worker that can still add readers of its own)
+    :param resubscribe: makes the subscription again (whatever part of it is missing) and
+        returns the queue to receive from. Subscribers that share a subscription drop it
+        when they leave, so :meth:`run` calls it when RECEIVE finds the queue gone, each
+        round until it succeeds, and every ``RESUBSCRIBE_INTERVAL`` seconds. Without it, a
+        queue that is gone ends :meth:`run` with ``QueueNotFound``
     """
 
     def __init__(
@@ -50,6 +59,7 @@ class Launcher:
         max_processes: int = 1,
         env: Mapping[str, str] | None = None,
         should_launch: Callable[[], bool] | None = None,
+        resubscribe: Callable[[], str] | None = None,
     ) -> None:
         if not command:
             raise exceptions.InvalidArgument("the launcher needs a command to start")
@@ -67,6 +77,7 @@ class Launcher:
         self.max_processes = max_processes
         self.env = dict(env or {})
         self.should_launch = should_launch
+        self.resubscribe = resubscribe
         self.processes: list[subprocess.Popen[bytes]] = []
         self.events_seen = 0
 
@@ -107,6 +118,39 @@ class Launcher:
         return started
 
     def run(self, stop: threading.Event) -> None:
-        """Act on events until ``stop`` is set."""
+        """Act on events until ``stop`` is set (making the subscription again when it is
+        gone, with ``resubscribe``)."""
+        lost = False
+        checked = time.monotonic()
         while not stop.is_set():
-            self.run_once()
+            if self.resubscribe is not None and (
+                lost or time.monotonic() - checked >= RESUBSCRIBE_INTERVAL
+            ):
+                checked = time.monotonic()
+                lost = not self._subscribe_again()
+                if lost:
+                    stop.wait(RECEIVE_TIMEOUT)  # the next round tries again
+                    continue
+            try:
+                self.run_once()
+            except exceptions.QueueNotFound:
+                if self.resubscribe is None:
+                    raise
+                log.info("launcher: queue %s is gone, subscribing again", self.queue)
+                lost = True
+
+    def _subscribe_again(self) -> bool:
+        """Call ``resubscribe`` and receive from the queue it returns.
+
+        :return: whether it succeeded (it races with subscribers dropping the subscription,
+            and with the database)
+        """
+        assert self.resubscribe is not None
+        try:
+            self.queue = self.resubscribe()
+        except exceptions.BrokerError as error:
+            log.warning(
+                "launcher on %s: could not subscribe again, retrying: %s", self.queue, error
+            )
+            return False
+        return True

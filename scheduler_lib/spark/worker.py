@@ -5,7 +5,8 @@ Readers are threads of the driver, started by internal activation (at most
 readers than one driver allows, the queue monitor's ``QUEUE_ACTIVATION`` events make the
 worker start another worker application with a configurable command (``spark-submit …``)
 — external activation — up to ``max_launched`` of them; launched workers leave when their
-queue has been idle for a while.
+queue has been idle for a while. A launching worker drops its subscription to those events
+when it stops.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scheduler_lib.broker import Broker, activation
-from scheduler_lib.broker.exceptions import AlreadyExists, InvalidArgument
+from scheduler_lib.broker.exceptions import (
+    AlreadyExists,
+    BrokerError,
+    InvalidArgument,
+    NotFound,
+)
 from scheduler_lib.broker.launcher import ACTIVATED_QUEUE_ENV, Launcher
 from scheduler_lib.scheduler import catalog
 from scheduler_lib.scheduler.executor import Executor
@@ -131,6 +137,7 @@ class Worker:
         self._own_session = spark is None
         self.runtime: activation.ActivationRuntime | None = None
         self.launcher: Launcher | None = None
+        self._subscribed = False  # this worker made (or joined) the launch set-up
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -176,7 +183,11 @@ class Worker:
                 self.launch_command,
                 max_processes=self.max_launched,
                 should_launch=self._full,
+                # another launching worker of this queue drops the shared set-up when it
+                # stops: this one makes it again
+                resubscribe=self._subscribe,
             )
+            self._subscribed = True
             thread = threading.Thread(
                 target=self.launcher.run, args=(self._stop,), name="worker-launcher", daemon=True
             )
@@ -209,14 +220,19 @@ class Worker:
         self.stop()
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Stop activating, let running tasks finish (up to ``timeout``), stop launched
-        workers and, when this worker built it, the session."""
+        """Stop activating, let running tasks finish (up to ``timeout``), drop the launch
+        set-up, stop launched workers and, when this worker built it, the session."""
         self._stop.set()
         if self.runtime is not None:
             self.runtime.stop(timeout)
             self.runtime = None
         for thread in self._threads:
             thread.join(timeout=5)
+        if self._subscribed:
+            # After the launcher thread: it would make the set-up again. Once only: a
+            # second stop() would drop the set-up another worker has made since.
+            self._subscribed = False
+            self._unsubscribe()
         if self.launcher is not None:
             for process in self.launcher.processes:
                 if process.poll() is None:
@@ -252,10 +268,18 @@ class Worker:
         runtime = self.runtime
         return runtime is not None and runtime.readers_of(self.queue) >= self.max_readers
 
+    def _launch_setup(self) -> tuple[str, str, str]:
+        """The names of the launch set-up: the queue and service that receive the target
+        queue's ``QUEUE_ACTIVATION`` events, and the event notification that sends them."""
+        return f"{self.queue}Launcher", f"{self.service}Launcher", f"{self.queue}Workers"
+
     def _subscribe(self) -> str:
-        """The queue and service that receive the target queue's ``QUEUE_ACTIVATION``
-        events (made once, shared by the workers of this queue)."""
-        events_queue, events_service = f"{self.queue}Launcher", f"{self.service}Launcher"
+        """Make what is missing of the launch set-up (shared by the launching workers of
+        this queue); also the launcher's ``resubscribe``.
+
+        :return: the queue the events arrive on
+        """
+        events_queue, events_service, notification = self._launch_setup()
         queues = {q.name for q in self.broker.queues()}
         services = {s["service_name"] for s in self.broker.services()}
         with contextlib.suppress(AlreadyExists):
@@ -264,13 +288,41 @@ class Worker:
         with contextlib.suppress(AlreadyExists):
             if events_service not in services:
                 self.broker.create_service(events_service, events_queue, ["PostEventNotification"])
-        notifications = {n["name"] for n in self.broker.event_notifications()}
+        notifications = {n["notification_name"] for n in self.broker.event_notifications()}
         with contextlib.suppress(AlreadyExists):
-            if f"{self.queue}Workers" not in notifications:
-                self.broker.create_event_notification(
-                    f"{self.queue}Workers", self.queue, events_service
-                )
+            if notification not in notifications:
+                self.broker.create_event_notification(notification, self.queue, events_service)
         return events_queue
+
+    def _unsubscribe(self) -> None:
+        """Drop the launch set-up: the event notification, the service, then the queue.
+        Left behind, the queue monitor would post events that nobody reads, and they
+        would pile up. Other launching workers of this queue make it again (their
+        launcher's ``resubscribe``).
+
+        One transaction: nobody sees half of it gone. What is gone already (another
+        worker dropped it) is skipped; an error leaves it all, with a warning, and does
+        not stop the rest of :meth:`stop`.
+        """
+        events_queue, events_service, notification = self._launch_setup()
+        try:
+            with self.broker.transaction() as tx:
+                with contextlib.suppress(NotFound):
+                    tx.drop_event_notification(notification)
+                # Dropping the notification leaves its event dialog, and a service with
+                # conversations can't be dropped. End both endpoints with cleanup (nobody
+                # is left to answer an EndDialog); the unread events go with them, so the
+                # queue is empty when it is dropped.
+                for endpoint in tx.conversation_endpoints():
+                    if events_service in (endpoint.service_name, endpoint.far_service_name):
+                        with contextlib.suppress(NotFound):
+                            tx.end_conversation(endpoint.conversation_handle, cleanup=True)
+                with contextlib.suppress(NotFound):
+                    tx.drop_service(events_service)
+                with contextlib.suppress(NotFound):
+                    tx.drop_queue(events_queue)
+        except BrokerError as error:
+            log.warning("could not drop the launch set-up of %s: %s", self.queue, error)
 
 
 def launch_command(
