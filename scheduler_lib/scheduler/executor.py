@@ -562,10 +562,13 @@ class CancelWatcher:
                 self.broker.availability.report(log, "looking for cancel requests failed", exc)
                 requests = []
             with self._changed:
+                # A request stays until its task answers: told once is enough (the
+                # cancel is idempotent, but each look logged it again, every half second).
                 targets = [
                     (self._running[r["log_id"]], r["cancel_reason"])
                     for r in requests
                     if r["log_id"] in self._running
+                    and not self._running[r["log_id"]].cancelled.is_set()
                 ]
             for context, reason in targets:
                 log.info("task %s: %s", context.log_id, reason)

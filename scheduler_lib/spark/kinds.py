@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import decimal
 import json
+import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from scheduler_lib.spark import session as sessions
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+CANCEL_REPEAT = 0.5  # seconds between cancels of a cancelled task's later Spark jobs
 COLLECT = 20  # rows of a query's result returned by default
 COLLECT_LIMIT = 10_000  # most rows a task may ask to get back (they travel in a message)
 WRITE_MODES = ("overwrite", "append", "error", "errorifexists", "ignore")
@@ -86,10 +88,27 @@ def spark_job(context: TaskContext) -> Iterator[SparkSession]:
     # when a later wave ran on another worker of a shared metastore). A task starts from
     # the catalog as it is now. No public API drops them all; the call costs ~0.2 ms.
     spark._jsparkSession.sessionState().catalog().invalidateAllCachedTables()
-    forget = context.on_cancel(lambda: sc.cancelJobGroup(group))
+    ended = threading.Event()
+
+    def cancel_group() -> None:
+        sc.cancelJobGroup(group)
+
+        # cancelJobGroup stops the group's jobs running now, not later ones: a pyspark
+        # callable cancelled between two actions (or before its first) would start its
+        # next job and run it to its end. Until the task returns, its new jobs are
+        # cancelled too.
+        def later_jobs() -> None:
+            while not ended.wait(CANCEL_REPEAT):
+                with contextlib.suppress(Exception):  # the JVM may be stopping
+                    sc.cancelJobGroup(group)
+
+        threading.Thread(target=later_jobs, name=f"cancel-{group}", daemon=True).start()
+
+    forget = context.on_cancel(cancel_group)
     try:
         yield spark
     finally:
+        ended.set()
         forget()
 
 

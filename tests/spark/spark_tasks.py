@@ -44,3 +44,18 @@ def hold_until(spark: Any, gate: str, timeout: float = 120.0) -> str:
             raise TimeoutError(f"{gate} did not appear within {timeout} s")
         time.sleep(0.05)
     return spark.sparkContext.applicationId
+
+
+def wait_then_run(spark: Any, gate: str, sql: str, timeout: float = 120.0) -> Any:
+    """Wait (no Spark job yet) until the file ``gate`` exists, then run ``sql``: a task
+    cancelled before its first job starts one afterwards. ``<gate>.started`` says it is
+    waiting."""
+    import os
+
+    open(f"{gate}.started", "w").close()
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gate} did not appear within {timeout} s")
+        time.sleep(0.05)
+    return spark.sql(sql).collect()
