@@ -44,8 +44,11 @@ SECRETS = (
 
 # Ports, sizes and names of this stack; the process environment overrides each one (the
 # tests give free ports and names of their own). Sizes keep the whole stack within 8 GiB:
-# two Spark workers of 1 core and 1 GiB, one 512 MiB executor and a 512 MiB driver per
-# application, 256 MiB for each Spark daemon.
+# two Spark workers of 2 cores and 1 GiB, one 512 MiB executor and a 512 MiB driver per
+# application, 256 MiB for each Spark daemon. A standalone worker's cores are executor
+# slots, not CPUs: with one per worker, the two scheduler-lib workers (one core each)
+# would hold the whole cluster, and a spark_submit task's application, or a worker that
+# external activation launches, would wait for ever for a core.
 DEFAULTS = {
     "STACK_DIR": str(ROOT / ".stack"),
     "STACK_ENV_FILE": str(ROOT / ".env"),
@@ -69,7 +72,7 @@ DEFAULTS = {
     "SPARK_WORKER_2_UI_PORT": "8083",
     "SPARK_DRIVER_1_UI_PORT": "4040",
     "SPARK_DRIVER_2_UI_PORT": "4041",
-    "SPARK_WORKER_CORES": "1",
+    "SPARK_WORKER_CORES": "2",
     "SPARK_WORKER_MEMORY": "1g",
     "SPARK_EXECUTOR_MEMORY": "512m",
     "SPARK_DRIVER_MEMORY": "512m",

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import sqlalchemy as sa
 
-from bench.airflow_standalone import Api, HarnessError, Processes, wait_for
+from bench.airflow_standalone import Api, HarnessError, Processes, free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 READY = 360.0  # seconds for the stack to come up (about 90 on a quiet 2-core machine)
@@ -84,6 +84,14 @@ class Stack:
         # operator would.
         self.wait(lambda: self.serving() >= serving, READY, f"{serving} 'worker serving' lines")
 
+    def process_env(self) -> dict[str, str]:
+        """The environment ``make stack`` gives each of its processes (secrets, the
+        broker's URL as the app role, Spark's and Airflow's settings): what a process an
+        operator adds beside the stack runs with."""
+        from stack.run import process_environment, settings
+
+        return {**process_environment(settings(self.env)), "PYTHONPATH": self.env["PYTHONPATH"]}
+
     def log_rows(self, run_id: str) -> list[dict[str, Any]]:
         """``execution_log``'s rows of an Airflow run, in log id order."""
         engine = sa.create_engine(SUPERUSER + self.broker_db)
@@ -96,6 +104,42 @@ class Stack:
                 return [dict(r._mapping) for r in rows]
         finally:
             engine.dispose()
+
+
+def worker_submit(stack: Stack, service: str, queue: str, *args: str) -> list[str]:
+    """``spark-submit`` of one more ``scheduler-lib worker`` to the stack's master, serving
+    ``service``/``queue``, sized as the Procfile's workers (one core, 512 MiB), its Spark
+    UI on a port of its own: what an operator adds beside the stack."""
+    entry = subprocess.run(
+        ["scheduler-lib", "worker", "--entry-script"],
+        env=stack.process_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    sizes = {
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.executor.memory": "512m",
+        "spark.cores.max": "1",
+        "spark.ui.port": str(free_port()),
+    }
+    master = f"spark://127.0.0.1:{stack.env['SPARK_MASTER_PORT']}"
+    confs = [part for key, value in sizes.items() for part in ("--conf", f"{key}={value}")]
+    return [
+        "spark-submit",
+        "--master",
+        master,
+        *confs,
+        "--driver-memory",
+        "512m",
+        entry,
+        "--service",
+        service,
+        "--queue",
+        queue,
+        *args,
+    ]
 
 
 def memory(processes: list[psutil.Process]) -> int:
