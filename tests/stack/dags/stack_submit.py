@@ -11,8 +11,8 @@ scenario 5), parsed by the stack's Airflow.
 
 The application's path is absolute at run time: this file is copied to the stack's DAGs
 folder, so the folder of ``tests/stack/apps`` comes in the run's conf (``params.apps``).
-Submitted applications ask for one core and a 512 MiB executor: the stack's two worker
-applications hold the cluster's two cores, and the test adds a third Spark worker.
+Submitted applications ask for one core and a 512 MiB executor: the stack's Spark
+workers offer two cores each, one of which each worker application holds.
 """
 
 from __future__ import annotations
