@@ -92,6 +92,22 @@ class Stack:
 
         return {**process_environment(settings(self.env)), "PYTHONPATH": self.env["PYTHONPATH"]}
 
+    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
+        """Unpause ``dag_id`` once parsed and trigger it through the REST API; its run id."""
+        self.api.wait_dag(dag_id, check=self.check_alive)
+        self.api.unpause(dag_id)
+        run_id: str = self.api.trigger(dag_id, conf)["dag_run_id"]
+        return run_id
+
+    def running(self, run_id: str, wave: int, n: int) -> Callable[[], list[dict[str, Any]]]:
+        """A condition: the ``n`` tasks of ``wave`` all RUNNING (their rows), else nothing."""
+
+        def look() -> list[dict[str, Any]]:
+            rows = [r for r in self.log_rows(run_id) if r["wave"] == wave]
+            return rows if len(rows) == n and all(r["status"] == "RUNNING" for r in rows) else []
+
+        return look
+
     def log_rows(self, run_id: str) -> list[dict[str, Any]]:
         """``execution_log``'s rows of an Airflow run, in log id order."""
         engine = sa.create_engine(SUPERUSER + self.broker_db)

@@ -21,7 +21,6 @@ import os
 import signal
 import time
 import urllib.request
-from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -39,28 +38,11 @@ ONCE = {"long1": 1, "long2": 1, "long3": 1, "long4": 1, "after": 1}  # marks: ea
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
-def trigger(stack: Stack, dag_id: str, conf: dict[str, Any]) -> str:
-    stack.api.wait_dag(dag_id, check=stack.check_alive)
-    stack.api.unpause(dag_id)
-    run_id: str = stack.api.trigger(dag_id, conf)["dag_run_id"]
-    return run_id
-
-
 def finish(stack: Stack, dag_id: str, run_id: str) -> dict[str, Any]:
     """The run once it ended, asserted ``success`` (its task instances in the message)."""
     run = stack.api.wait_run(dag_id, run_id, RUN_DEADLINE, check=stack.check_alive)
     assert run["state"] == "success", (run, stack.api.task_instances(dag_id, run_id), stack.tail())
     return run
-
-
-def running(stack: Stack, run_id: str, wave: int, n: int) -> Callable[[], list[dict[str, Any]]]:
-    """A condition: the ``n`` tasks of ``wave`` all RUNNING (their rows), else nothing."""
-
-    def look() -> list[dict[str, Any]]:
-        rows = [r for r in stack.log_rows(run_id) if r["wave"] == wave]
-        return rows if len(rows) == n and all(r["status"] == "RUNNING" for r in rows) else []
-
-    return look
 
 
 def supervised(stack: Stack, *words: str) -> list[psutil.Process]:
@@ -94,8 +76,8 @@ def test_a_killed_worker_drivers_tasks_are_failed_within_the_lease_and_retried(
 ) -> None:
     # Given a wave of four 20-second tasks running, two on each worker application
     serving = stack.serving()
-    run_id = trigger(stack, PYTHON_DAG, {"marks": str(stack.marks), "seconds": 20})
-    rows = stack.wait(running(stack, run_id, 1, 4), START_DEADLINE, "wave 1's 4 tasks running")
+    run_id = stack.trigger(PYTHON_DAG, {"marks": str(stack.marks), "seconds": 20})
+    rows = stack.wait(stack.running(run_id, 1, 4), START_DEADLINE, "wave 1's 4 tasks running")
     # (python tasks run in the driver: worker_id is its host:pid:reader)
     drivers = {r["task_name"]: int(r["worker_id"].split(":")[1]) for r in rows}
     assert len(set(drivers.values())) == 2, rows
@@ -136,8 +118,8 @@ def test_a_killed_spark_worker_loses_an_executor_and_spark_runs_the_stage_again(
     stack: Stack,
 ) -> None:
     # Given a slow spark_sql task running on one application (its executor sleeps per row)
-    run_id = trigger(stack, SPARK_DAG, {"rows": 120, "partitions": 6, "ms": 250})
-    (row,) = stack.wait(running(stack, run_id, 1, 1), START_DEADLINE, "the slow task running")
+    run_id = stack.trigger(SPARK_DAG, {"rows": 120, "partitions": 6, "ms": 250})
+    (row,) = stack.wait(stack.running(run_id, 1, 1), START_DEADLINE, "the slow task running")
     application = row["spark_application_id"]
 
     # ... on the Spark worker whose executor the application holds
@@ -196,8 +178,8 @@ def test_restarting_the_triggerer_and_the_scheduler_while_a_wave_is_deferred(
     stack: Stack,
 ) -> None:
     # Given a wave of four 30-second tasks whose wait is deferred to the triggerer
-    run_id = trigger(stack, PYTHON_DAG, {"marks": str(stack.marks), "seconds": 30})
-    stack.wait(running(stack, run_id, 1, 4), START_DEADLINE, "wave 1's 4 tasks running")
+    run_id = stack.trigger(PYTHON_DAG, {"marks": str(stack.marks), "seconds": 30})
+    stack.wait(stack.running(run_id, 1, 4), START_DEADLINE, "wave 1's 4 tasks running")
     stack.wait(
         lambda: task_instance(stack, PYTHON_DAG, run_id, "waves.wave_1")["state"] == "deferred",
         120.0,

@@ -21,7 +21,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,26 +63,9 @@ def kill_application(stack: Stack, app_id: str) -> None:
         pass
 
 
-def trigger(stack: Stack, dag_id: str, conf: dict[str, Any]) -> str:
-    stack.api.wait_dag(dag_id, check=stack.check_alive)
-    stack.api.unpause(dag_id)
-    run_id: str = stack.api.trigger(dag_id, conf)["dag_run_id"]
-    return run_id
-
-
 def ended(stack: Stack, dag_id: str, run_id: str) -> dict[str, Any]:
     run: dict[str, Any] = stack.api.wait_run(dag_id, run_id, RUN_DEADLINE, check=stack.check_alive)
     return run
-
-
-def running(stack: Stack, run_id: str, wave: int, n: int) -> Callable[[], list[dict[str, Any]]]:
-    """A condition: the ``n`` tasks of ``wave`` all RUNNING (their rows), else nothing."""
-
-    def look() -> list[dict[str, Any]]:
-        rows = [r for r in stack.log_rows(run_id) if r["wave"] == wave]
-        return rows if len(rows) == n and all(r["status"] == "RUNNING" for r in rows) else []
-
-    return look
 
 
 def application_name(row: dict[str, Any]) -> str:
@@ -130,7 +113,7 @@ def test_a_spark_submit_task_runs_an_application_on_the_cluster_to_its_end(
     stack = cluster
     # Given a spark_submit task of sleepy_count.py (20 rows of 200 ms: 4 s of work) and a
     # pyspark task in a wave, then a second wave
-    run_id = trigger(stack, SUBMIT_DAG, {"apps": str(APPS), "rows": 20, "ms": 200})
+    run_id = stack.trigger(SUBMIT_DAG, {"apps": str(APPS), "rows": 20, "ms": 200})
 
     # When the run ends
     run = ended(stack, SUBMIT_DAG, run_id)
@@ -183,11 +166,11 @@ def test_a_cancel_kills_the_submitted_application_and_the_pyspark_job(
     # Given a wave of a long spark_submit task (600 rows of 500 ms: 5 minutes), a long
     # pyspark task (the same count) and a python task that fails when told to, fail_fast
     fail_file = stack.marks / f"fail-{uuid.uuid4().hex}"
-    run_id = trigger(
-        stack, CANCEL_DAG, {"apps": str(APPS), "fail_file": str(fail_file), "fail_after": 300}
+    run_id = stack.trigger(
+        CANCEL_DAG, {"apps": str(APPS), "fail_file": str(fail_file), "fail_after": 300}
     )
     try:
-        rows = stack.wait(running(stack, run_id, 1, 3), START_DEADLINE, "wave 1's 3 tasks running")
+        rows = stack.wait(stack.running(run_id, 1, 3), START_DEADLINE, "wave 1's 3 tasks running")
         (submitted,) = [r for r in rows if r["task_name"] == "long submit"]
         (pyspark,) = [r for r in rows if r["task_name"] == "long pyspark"]
         name = application_name(submitted)
