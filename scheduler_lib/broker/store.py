@@ -64,7 +64,7 @@ class Store:
         except sa_exc.IntegrityError as exc:
             raise _integrity_error(query, exc) from exc
         except sa_exc.DBAPIError as exc:
-            raise _dbapi_error(conn, query, exc) from exc
+            raise dbapi_error(conn, query, exc) from exc
 
     def one(self, conn: sa.Connection, query: str, /, **params: Any) -> Row | None:
         """The first row of a named query as a mapping, or ``None``."""
@@ -162,10 +162,10 @@ class Store:
             except sa_exc.IntegrityError as exc:
                 raise _integrity_error(name, exc) from exc
             except sa_exc.DBAPIError as exc:
-                raise _dbapi_error(conn, name, exc) from exc
+                raise dbapi_error(conn, name, exc) from exc
 
 
-def _dbapi_error(conn: sa.Connection, name: str, exc: sa_exc.DBAPIError) -> Exception:
+def dbapi_error(conn: sa.Connection, name: str, exc: sa_exc.DBAPIError) -> Exception:
     """A driver error SQLAlchemy wrapped: a lost connection (SQLAlchemy has invalidated
     it; the pool's older connections go with it) or any other database error."""
     if connections.is_lost(exc):

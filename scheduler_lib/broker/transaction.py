@@ -85,11 +85,19 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             return
         if exc_type is None:
             self.commit()
-        else:
-            # A lost connection is not the messages' fault: it is not counted as a
-            # rollback by poison message detection (an outage would disable queues).
-            self._lost = isinstance(exc, exceptions.ConnectionLost)
-            self.rollback()
+            return
+        said: Exception | None = None
+        if isinstance(exc, sa.exc.DBAPIError) and self._connection is not None:
+            # A driver error that came past the one door (SQLAlchemy ran a statement of
+            # its own): said as the broker says it, so that a lost connection is ridden
+            # through like any other instead of ending the caller's loop
+            said = store.dbapi_error(self._connection, "a statement", exc)
+        # A lost connection is not the messages' fault: it is not counted as a
+        # rollback by poison message detection (an outage would disable queues).
+        self._lost = isinstance(said or exc, exceptions.ConnectionLost)
+        self.rollback()
+        if said is not None:
+            raise said from exc
 
     def commit(self) -> None:
         """Commit, then wake local waiters on the queues that got messages."""
@@ -183,13 +191,25 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
     def savepoint(self) -> Iterator[None]:
         """A part of the transaction that can fail alone (SAVEPOINT): on an exception
         only what it did is undone, and the exception goes on."""
-        nested = self._conn().begin_nested()
+        conn = self._conn()
+        try:
+            nested = conn.begin_nested()
+        except sa.exc.DBAPIError as exc:
+            raise store.dbapi_error(conn, "savepoint", exc) from exc
         try:
             yield
-        except BaseException:
-            nested.rollback()
+        except BaseException as exc:
+            try:
+                nested.rollback()
+            except sa.exc.DBAPIError as undo:
+                # A lost connection took the savepoint with it: the caller hears of the
+                # loss (and its retry runs again), never SQLAlchemy's own error for it
+                raise store.dbapi_error(conn, "rollback to savepoint", undo) from exc
             raise
-        nested.commit()
+        try:
+            nested.commit()
+        except sa.exc.DBAPIError as exc:
+            raise store.dbapi_error(conn, "release savepoint", exc) from exc
 
     def _check_open(self) -> None:
         if self._finished:

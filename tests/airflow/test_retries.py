@@ -253,7 +253,9 @@ def test_fail_fast_cancels_the_rest_of_the_wave_at_the_first_failure(
     assert others.count("CANCELLED") >= 5, others
     failed_at = rows["broken"]["end_time"]
     ended = max(r["end_time"] for r in rows.values())
-    assert ended - failed_at < 3 + 2, "the rest of the wave was not stopped at once"
+    # (the rest run would have taken 18 s more; the bound leaves a loaded machine 5 s
+    # past the one slow task that may finish — CI once saw 5.5 s under test-lowest)
+    assert ended - failed_at < 3 + 5, "the rest of the wave was not stopped at once"
     assert "never" not in rows
 
 

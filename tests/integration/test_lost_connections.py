@@ -9,7 +9,7 @@ import logging
 import pytest
 import sqlalchemy as sa
 
-from scheduler_lib.broker import Broker
+from scheduler_lib.broker import Broker, ConnectionLost
 from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
 
 pytestmark = pytest.mark.postgres
@@ -54,5 +54,35 @@ def test_a_lost_connection_is_ridden_through_and_replaced(
         assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "3")
         completion = scheduler.synchronization(handle, timeout=5)
         assert (completion.log_id, completion.status) == (log_id, "SUCCEEDED")
+    finally:
+        broker.close()
+
+
+def test_a_savepoint_on_a_lost_connection_is_a_lost_connection(postgres_url: str) -> None:
+    # END CONVERSATION and poison routing take savepoints, and an executor's loop rides
+    # through a ConnectionLost only: CI once saw SQLAlchemy's own error for a savepoint on
+    # a terminated backend end an executor (test_terminated_backends)
+    broker = Broker(postgres_url, timers=False)
+    try:
+        # Given a transaction whose connection the server terminated, When it takes a
+        # savepoint, Then that is a lost connection
+        with pytest.raises(ConnectionLost), broker.transaction() as tx:
+            tx.fetch_value("next_deadline")
+            assert _kill_our_backends(postgres_url) >= 1
+            with tx.savepoint():
+                pass
+        # And so is a loss inside the savepoint, whose undo fails too
+        with pytest.raises(ConnectionLost), broker.transaction() as tx, tx.savepoint():
+            tx.fetch_value("next_deadline")
+            assert _kill_our_backends(postgres_url) >= 1
+            tx.fetch_value("next_deadline")
+        # And a statement SQLAlchemy ran itself, past the broker's one door
+        with pytest.raises(ConnectionLost), broker.transaction() as tx:
+            tx.fetch_value("next_deadline")
+            assert _kill_our_backends(postgres_url) >= 1
+            tx._conn().exec_driver_sql("SELECT 1")
+        # And the broker goes on on fresh connections
+        with broker.transaction() as tx:
+            tx.fetch_value("next_deadline")
     finally:
         broker.close()

@@ -16,6 +16,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,7 +137,8 @@ def test_waves_run_once_each_while_backends_are_terminated(
     context = f"seed {seed}, {killer.rounds} rounds, {killer.terminated} sessions terminated"
     print(f"{context}, {took:.1f} s")
     assert killer.error is None, f"{killer.error!r} ({context})"
-    assert errors == [], context
+    # (with where it was raised: an escaped driver error names no caller by itself)
+    assert errors == [], "".join(traceback.format_exception(errors[0])) + context
     assert not any(t.is_alive() for t in executors), f"an executor did not stop ({context})"
     # (the killer did its work while the waves ran)
     assert killer.rounds >= 5 and killer.terminated >= 5, context
