@@ -4,12 +4,14 @@
 # driver's. The official image brings Java 17, Spark and its launch scripts; its python3
 # variant has Ubuntu 22.04's Python 3.10, older than scheduler_lib supports, so Ubuntu's
 # python3.11 is added and scheduler_lib goes into a virtual environment of its own.
+# PostgreSQL's JDBC driver (/usr/share/java/postgresql.jar) is for the Hive metastore's
+# clients, whose tables are in PostgreSQL (docker/hive-site.xml).
 FROM apache/spark:4.2.0-scala2.13-java17-ubuntu
 
 USER root
 RUN set -ex; \
     apt-get update; \
-    apt-get install -y --no-install-recommends python3.11 python3.11-venv; \
+    apt-get install -y --no-install-recommends python3.11 python3.11-venv libpostgresql-jdbc-java; \
     rm -rf /var/lib/apt/lists/*; \
     python3.11 -m venv /opt/scheduler_lib/venv; \
     mkdir -p /data/warehouse; \

@@ -1,14 +1,16 @@
 """The production-shaped stack as processes on this machine: ``make stack``.
 
 What docker-compose.yaml runs in containers, without a container engine: the machine's
-PostgreSQL (Airflow's metadata and the broker, with the roles of docs/operations.md), Airflow
+PostgreSQL (Airflow's metadata, the broker with the roles of docs/operations.md, and the
+Hive metastore the worker applications share), Airflow
 as its own processes (api-server, scheduler, dag-processor, triggerer; LocalExecutor), a
 Spark standalone cluster (a master and two workers from the ``spark-class`` inside the
 pyspark wheel), two ``scheduler-lib worker`` applications submitted to it, and
 ``scheduler-lib serve``. honcho supervises them from ``stack/Procfile``.
 
 This module prepares what must exist before the processes start (databases and roles, the
-broker's schema, Airflow's metadata schema, the admin user's password file), builds the one
+broker's schema, Airflow's metadata schema, the metastore's tables, the admin user's password
+file), builds the one
 environment every process gets, and hands over to honcho. Secrets come from ``.env`` (or
 ``$STACK_ENV_FILE``) into that environment only: no command line carries one.
 """
@@ -40,6 +42,7 @@ SECRETS = (
     "AIRFLOW_JWT_SECRET",
     "AIRFLOW_API_SECRET_KEY",
     "SCHEDULER_LIB_TRANSPORT_KEY",
+    "METASTORE_DB_PASSWORD",
 )
 
 # Ports, sizes and names of this stack; the process environment overrides each one (the
@@ -63,10 +66,14 @@ DEFAULTS = {
     "BROKER_OWNER_ROLE": "scheduler_lib_owner",
     "BROKER_APP_ROLE": "scheduler_lib_app",
     "BROKER_MONITOR_ROLE": "scheduler_lib_monitor",
+    "METASTORE_DB_NAME": "metastore",
+    "METASTORE_DB_USER": "metastore",
+    # The worker applications' metastore clients reach PostgreSQL through its JDBC driver,
+    # which the pyspark wheel lacks: Debian's libpostgresql-jdbc-java installs it here.
+    "POSTGRES_JDBC_JAR": "/usr/share/java/postgresql.jar",
     "AIRFLOW_PORT": "8080",
     "AIRFLOW_SCHEDULER_HEALTH_PORT": "8974",
     "SPARK_MASTER_PORT": "7077",
-    "HIVE_METASTORE_PORT": "9083",
     "SPARK_MASTER_UI_PORT": "8081",
     "SPARK_WORKER_1_UI_PORT": "8082",
     "SPARK_WORKER_2_UI_PORT": "8083",
@@ -137,7 +144,8 @@ def process_environment(s: Mapping[str, str]) -> dict[str, str]:
         "PYSPARK_PYTHON": sys.executable,
         "PYSPARK_DRIVER_PYTHON": sys.executable,
         "SPARK_LOCAL_IP": "127.0.0.1",
-        # Spark's logging and the Hive metastore's settings (prepare writes them there).
+        # Spark's logging and the Hive metastore's settings (prepare writes them there;
+        # the metastore's password is read from METASTORE_DB_PASSWORD, never written).
         "SPARK_CONF_DIR": str(Path(s["STACK_DIR"]) / "spark-conf"),
         "SPARK_DAEMON_MEMORY": s["SPARK_DAEMON_MEMORY"],
         # scheduler-lib worker and serve: the broker as the role that reads and writes rows
@@ -224,6 +232,12 @@ def prepare(s: Mapping[str, str], env: Mapping[str, str]) -> None:
     """Everything the processes need before they start; each step is a no-op when done."""
     if shutil.which("psql") is None:
         raise StackError("psql is not installed: install the PostgreSQL client (apt-get)")
+    if not Path(s["POSTGRES_JDBC_JAR"]).is_file():
+        raise StackError(
+            f"{s['POSTGRES_JDBC_JAR']} does not exist: install PostgreSQL's JDBC driver for the "
+            "Hive metastore (apt-get install libpostgresql-jdbc-java) or set POSTGRES_JDBC_JAR "
+            "to its jar"
+        )
     exists = psql(
         s, env, f"SELECT count(*) FROM pg_database WHERE datname = '{s['BROKER_DB_NAME']}'"
     )
@@ -232,6 +246,15 @@ def prepare(s: Mapping[str, str], env: Mapping[str, str]) -> None:
         run(
             "docker/postgres-init.sh",
             ["bash", str(ROOT / "docker" / "postgres-init.sh")],
+            {**env, **superuser(s)},
+        )
+    metastore = psql(
+        s, env, f"SELECT count(*) FROM pg_database WHERE datname = '{s['METASTORE_DB_NAME']}'"
+    )
+    if metastore == "0":
+        run(
+            "docker/postgres-metastore.sh",
+            ["bash", str(ROOT / "docker" / "postgres-metastore.sh")],
             {**env, **superuser(s)},
         )
     owner = url(s, s["BROKER_OWNER_ROLE"], s["BROKER_OWNER_PASSWORD"], s["BROKER_DB_NAME"])
@@ -252,7 +275,62 @@ def prepare(s: Mapping[str, str], env: Mapping[str, str]) -> None:
     conf = Path(env["SPARK_CONF_DIR"])
     conf.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "stack" / "spark-conf" / "log4j2.properties", conf)
-    (conf / "hive-site.xml").write_text(hive_site(Path(s["STACK_DIR"])))
+    jdbc = metastore_site(s)
+    (conf / "hive-site.xml").write_text(hive_site(jdbc))
+    metastore_tables(s, env, jdbc)
+
+
+def metastore_site(s: Mapping[str, str]) -> dict[str, str]:
+    """Where the metastore's tables are: its database and role on this machine's
+    PostgreSQL, the warehouse under the stack's directory."""
+    return {
+        "javax.jdo.option.ConnectionURL": (
+            f"jdbc:postgresql://{s['POSTGRES_HOST']}:{s['POSTGRES_PORT']}/{s['METASTORE_DB_NAME']}"
+        ),
+        "javax.jdo.option.ConnectionUserName": s["METASTORE_DB_USER"],
+        "hive.metastore.warehouse.dir": str(Path(s["STACK_DIR"]) / "warehouse"),
+    }
+
+
+def metastore_tables(s: Mapping[str, str], env: Mapping[str, str], site: dict[str, str]) -> None:
+    """The metastore's tables, made once by one process before any worker starts.
+
+    Each worker application runs the metastore client embedded (no metastore service: Hive
+    2.3's listens on every interface, with no setting to bind it to loopback). Two clients
+    that create the tables on first use deadlock each other (seen: each holds locks the
+    other's DDL waits for, across its own connections, where PostgreSQL cannot see the
+    cycle), so the workers never create any: here Hive's HiveMetaTool opens the metastore
+    once with every model class of the jar's ``package.jdo`` started up front, which
+    creates all their tables (a no-op when they exist)."""
+    spark_class = shutil.which("spark-class", path=env["PATH"])
+    if spark_class is None:
+        raise StackError("spark-class is not installed: make venv installs pyspark")
+    init = Path(s["STACK_DIR"]) / "metastore-init"
+    init.mkdir(parents=True, exist_ok=True)
+    (init / "hive-site.xml").write_text(hive_site(site, create=model_classes()))
+    run(
+        "the metastore's tables (HiveMetaTool)",
+        [spark_class, "org.apache.hadoop.hive.metastore.tools.HiveMetaTool", "-listFSRoot"],
+        {**env, "SPARK_CONF_DIR": str(init), "SPARK_DIST_CLASSPATH": s["POSTGRES_JDBC_JAR"]},
+    )
+
+
+def model_classes() -> list[str]:
+    """The metastore's persistent classes, as the hive-metastore jar in the pyspark wheel
+    maps them (its ``package.jdo``)."""
+    import xml.etree.ElementTree as ET
+    import zipfile
+
+    import pyspark
+
+    (jar,) = (Path(pyspark.__file__).parent / "jars").glob("hive-metastore-*.jar")
+    with zipfile.ZipFile(jar) as archive:
+        root = ET.fromstring(archive.read("package.jdo"))
+    return [
+        f"{package.get('name')}.{cls.get('name')}"
+        for package in root.iter("package")
+        for cls in package.iter("class")
+    ]
 
 
 def spark_target(owner_url: str, s: Mapping[str, str]) -> None:
@@ -276,20 +354,24 @@ def spark_target(owner_url: str, s: Mapping[str, str]) -> None:
         raise StackError(f"the Spark target: {exc}") from exc
 
 
-def hive_site(state: Path) -> str:
-    """The Hive metastore service's settings: its tables in an embedded Derby database and
-    the warehouse under ``state`` (docker/hive-site.xml has the same for compose)."""
+def hive_site(site: Mapping[str, str], create: list[str] | None = None) -> str:
+    """A hive-site.xml for metastore clients on PostgreSQL: ``site`` says where (see
+    :func:`metastore_site`); with ``create``, the settings of the one process that creates
+    the tables of those model classes (docker/hive-site.xml and
+    docker/metastore-init/hive-site.xml have the same for compose)."""
     settings = {
-        "javax.jdo.option.ConnectionURL": (
-            f"jdbc:derby:;databaseName={state / 'metastore_db'};create=true"
-        ),
-        # The metastore creates its schema on first use (no schematool in the wheel).
-        "datanucleus.schema.autoCreateAll": "true",
+        **site,
+        "javax.jdo.option.ConnectionDriverName": "org.postgresql.Driver",
+        # Hadoop's configuration reads it from the process environment when it is used.
+        "javax.jdo.option.ConnectionPassword": "${env.METASTORE_DB_PASSWORD}",
+        "datanucleus.schema.autoCreateAll": "true" if create else "false",
         "hive.metastore.schema.verification": "false",
-        "hive.metastore.warehouse.dir": str(state / "warehouse"),
         # Hive's asynchronous logging needs a jar the pyspark wheel does not ship.
         "hive.async.log.enabled": "false",
     }
+    if create:
+        settings["datanucleus.autoStartMechanism"] = "Classes"
+        settings["datanucleus.autoStartClassNames"] = ",".join(create)
     properties = "".join(
         f"  <property><name>{k}</name><value>{v}</value></property>\n" for k, v in settings.items()
     )

@@ -54,6 +54,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "BROKER_OWNER_ROLE": f"stack_{suffix}_owner",
         "BROKER_APP_ROLE": f"stack_{suffix}_app",
         "BROKER_MONITOR_ROLE": f"stack_{suffix}_monitor",
+        "METASTORE_DB_NAME": f"stack_{suffix}_metastore",
+        "METASTORE_DB_USER": f"stack_{suffix}_metastore",
     }
     ports = {key: str(free_port()) for key in DEFAULTS if key.endswith("_PORT")}
     ports["POSTGRES_PORT"] = "5432"
@@ -96,9 +98,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         processes.stop_all()
         admin = sa.create_engine(SUPERUSER + "postgres", isolation_level="AUTOCOMMIT")
         with admin.connect() as conn:
-            for key in ("AIRFLOW_DB_NAME", "BROKER_DB_NAME"):
+            for key in ("AIRFLOW_DB_NAME", "BROKER_DB_NAME", "METASTORE_DB_NAME"):
                 conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{names[key]}" WITH (FORCE)'))
-            for key in ("AIRFLOW_DB_USER", "BROKER_OWNER_ROLE", "BROKER_APP_ROLE"):
+            roles = ("AIRFLOW_DB_USER", "BROKER_OWNER_ROLE", "BROKER_APP_ROLE", "METASTORE_DB_USER")
+            for key in roles:
                 conn.execute(sa.text(f'DROP ROLE IF EXISTS "{names[key]}"'))
             conn.execute(sa.text(f'DROP ROLE IF EXISTS "{names["BROKER_MONITOR_ROLE"]}"'))
         admin.dispose()

@@ -25,7 +25,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # service where one machine runs two named processes.
 SERVICE_OF = {
     "spark-master": "spark-master",
-    "hive-metastore": "hive-metastore",
     "spark-worker-1": "spark-worker",
     "spark-worker-2": "spark-worker",
     "airflow-apiserver": "airflow-apiserver",
@@ -44,6 +43,7 @@ NOT_PROCESSES = {
     # migrate and the admin user).
     "postgres": "the machine's server",
     "broker-init": "one shot: python -m stack's preparation",
+    "metastore-init": "one shot: python -m stack's preparation (metastore_tables)",
     "airflow-init": "one shot: python -m stack's preparation",
     # Optional, behind the "transport" profile: not part of the default stack.
     "broker-endpoint": "profile-gated",
@@ -306,3 +306,46 @@ def test_no_command_line_carries_a_secret(
     assert _secrets_in(["scheduler-lib", "worker", "--db", "$SCHEDULER_LIB_DB"])
     assert _secrets_in(["psql", "postgresql://app:pw@localhost/broker"])
     assert _secrets_in(["airflow", "users", "--password=${AIRFLOW_ADMIN_PASSWORD}"])
+
+
+# Where compose keeps the metastore: the postgres service's metastore database, as the
+# role of docker/postgres-metastore.sh's default name, the warehouse on spark-data.
+COMPOSE_METASTORE = {
+    "javax.jdo.option.ConnectionURL": "jdbc:postgresql://postgres:5432/metastore",
+    "javax.jdo.option.ConnectionUserName": "metastore",
+    "hive.metastore.warehouse.dir": "/data/warehouse",
+}
+
+
+def hive_properties(text: str) -> dict[str, str]:
+    import xml.etree.ElementTree as ET
+
+    return {
+        p.findtext("name") or "": p.findtext("value") or ""
+        for p in ET.fromstring(text).iter("property")
+    }
+
+
+@pytest.mark.parametrize(
+    ("path", "service", "creates"),
+    [
+        ("docker/hive-site.xml", "scheduler-lib-worker", False),
+        ("docker/metastore-init/hive-site.xml", "metastore-init", True),
+    ],
+)
+def test_the_metastore_settings_are_the_stacks(
+    services: dict[str, Any], path: str, service: str, creates: bool
+) -> None:
+    # Given the hive-site.xml python -m stack writes for the workers' metastore clients,
+    # or for the one process that makes the metastore's tables, with compose's places
+    from stack.run import hive_site, model_classes
+
+    ours = hive_properties(
+        hive_site(COMPOSE_METASTORE, create=model_classes() if creates else None)
+    )
+    # Then compose's file says the same, and its service mounts it
+    assert hive_properties((ROOT / path).read_text()) == ours
+    assert any(v.startswith(f"./{path}:") for v in services[service]["volumes"]), service
+    # And no password is in it: the clients read it from their environment
+    assert ours["javax.jdo.option.ConnectionPassword"] == "${env.METASTORE_DB_PASSWORD}"
+    assert "METASTORE_DB_PASSWORD" in services[service]["environment"]

@@ -3,15 +3,17 @@
 Given ``make stack`` started as documented, in a process of its own, with the committed
 ``.env`` and nothing but free ports and names of its own (its databases and roles on the
 machine's PostgreSQL, its state in the test's tmp dir): a Spark standalone cluster of two
-workers, a Hive metastore, Airflow's api-server, scheduler, dag-processor and triggerer
-on PostgreSQL, two ``scheduler-lib worker`` applications on the cluster and
-``scheduler-lib serve``; when both example DAGs are triggered through Airflow's REST API
-as the logged-in admin (without a logical date, as the API and the UI allow); then
+workers, Airflow's api-server, scheduler, dag-processor and triggerer on PostgreSQL, two
+``scheduler-lib worker`` applications on the cluster sharing a Hive metastore on
+PostgreSQL, and ``scheduler-lib serve``; when both example DAGs are triggered through
+Airflow's REST API as the logged-in admin (without a logical date, as the API and the UI
+allow); then
 
 - both runs succeed in Airflow;
 - the ETL load wave's four tasks ran at once, spread over both worker applications, and
   the later waves read the tables the earlier ones made on the other application;
 - headless Chromium follows the ETL run on the Execution Status page and its run tab;
+- every port of the stack's processes is on 127.0.0.1;
 - Ctrl-C (SIGINT to the terminal's process group) stops every process of the stack.
 """
 
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from bench.airflow_standalone import HarnessError, quote, wait_for
@@ -34,6 +37,7 @@ RUN_DEADLINE = 420.0  # seconds for both runs (about 60; a retry waits 5 s more)
 BROWSER_WAIT = 60.0
 GIB = 1024**3
 MEMORY_BUDGET = 8 * GIB  # the whole stack's, issue 23
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -164,6 +168,15 @@ def test_ctrl_c_in_make_stacks_terminal_stops_every_process(
             f"{stack.memory.peak / GIB:.2f} GiB, at the end {idle / GIB:.2f} GiB"
         )
     assert stack.memory.peak < MEMORY_BUDGET, stack.memory.peak
+    # And every port its processes listen on is on loopback (issue 23: "all ports on
+    # 127.0.0.1"; a Hive metastore service would listen on every interface)
+    listening = sorted(
+        (" ".join(process.cmdline()[:3])[:80], f"{c.laddr.ip}:{c.laddr.port}")
+        for process in stack_processes(state)
+        for c in listeners(process)
+        if c.laddr.ip not in LOOPBACK
+    )
+    assert listening == [], listening
 
     # When the operator presses Ctrl-C in make stack's terminal
     os.killpg(stack.make.pid, signal.SIGINT)
@@ -175,3 +188,11 @@ def test_ctrl_c_in_make_stacks_terminal_stops_every_process(
         time.sleep(0.5)
     left = [" ".join(p.cmdline()[:4]) for p in stack_processes(state)]
     assert left == [], left
+
+
+def listeners(process: psutil.Process) -> list[Any]:
+    """The TCP sockets ``process`` listens on (none once it has ended)."""
+    try:
+        return [c for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    except (psutil.Error, OSError):
+        return []
