@@ -202,21 +202,27 @@ def process_environment(s: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def run(what: str, command: list[str], env: Mapping[str, str]) -> str:
+def run(what: str, command: list[str], env: Mapping[str, str], stdin: str | None = None) -> str:
     """Run one preparation step; its output, or :class:`StackError` with its last lines."""
-    done = subprocess.run(command, env=dict(env), capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        command, env=dict(env), input=stdin, capture_output=True, text=True, check=False
+    )
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise StackError(f"{what} failed: " + " | ".join(tail))
     return done.stdout
 
 
-def psql(s: Mapping[str, str], env: Mapping[str, str], sql: str) -> str:
-    return run(
+def database_exists(s: Mapping[str, str], env: Mapping[str, str], name: str) -> bool:
+    """Whether the database ``name`` exists (the name goes to psql as a variable, quoted by
+    psql: a name of the environment's is never SQL)."""
+    found = run(
         "psql",
-        ["psql", "--no-psqlrc", "-tA", "-v", "ON_ERROR_STOP=1", "-c", sql],
+        ["psql", "--no-psqlrc", "-tA", "-v", "ON_ERROR_STOP=1", "-v", f"name={name}"],
         {**env, **superuser(s)},
-    ).strip()
+        stdin="SELECT count(*) FROM pg_database WHERE datname = :'name';\n",
+    )
+    return found.strip() != "0"
 
 
 def superuser(s: Mapping[str, str]) -> dict[str, str]:
@@ -238,20 +244,14 @@ def prepare(s: Mapping[str, str], env: Mapping[str, str]) -> None:
             "Hive metastore (apt-get install libpostgresql-jdbc-java) or set POSTGRES_JDBC_JAR "
             "to its jar"
         )
-    exists = psql(
-        s, env, f"SELECT count(*) FROM pg_database WHERE datname = '{s['BROKER_DB_NAME']}'"
-    )
-    if exists == "0":
+    if not database_exists(s, env, s["BROKER_DB_NAME"]):
         # The databases and roles, as the compose stack's postgres service makes them.
         run(
             "docker/postgres-init.sh",
             ["bash", str(ROOT / "docker" / "postgres-init.sh")],
             {**env, **superuser(s)},
         )
-    metastore = psql(
-        s, env, f"SELECT count(*) FROM pg_database WHERE datname = '{s['METASTORE_DB_NAME']}'"
-    )
-    if metastore == "0":
+    if not database_exists(s, env, s["METASTORE_DB_NAME"]):
         run(
             "docker/postgres-metastore.sh",
             ["bash", str(ROOT / "docker" / "postgres-metastore.sh")],
