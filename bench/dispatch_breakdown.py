@@ -119,7 +119,9 @@ def whole_path(samples: int) -> dict[str, float]:
         "take -> start recorded": [],
         "total: call -> start": [],
     }
-    for log_id, called, returned in calls:
+    for tag, log_id, called, returned in calls:
+        if int(tag) < WARM_DISPATCH:
+            continue
         notice = notified[bisect.bisect_left(notified, called)]
         issued, taken = takes[bisect.bisect_left(takes, (called,))]
         start = starts[log_id]

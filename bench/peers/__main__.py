@@ -109,7 +109,8 @@ def settings_text(cfg: dict[str, Any]) -> str:
         f"prefetch multiplier {cfg['celery_prefetch']}, gossip/mingle/heartbeat off; a wave "
         "is `group(...).apply_async().get()`. **raw**: 4 consumer threads on their own "
         "autocommit connections, `DELETE … WHERE id IN (SELECT … ORDER BY id LIMIT batch "
-        "FOR UPDATE SKIP LOCKED) RETURNING body`, backing off 1→20 ms when empty. "
+        "FOR UPDATE SKIP LOCKED) RETURNING body`, waiting for the NOTIFY of the next insert "
+        "(a statement trigger) when empty. "
         f"{cfg['rounds']} round(s); in each the systems' order rotates."
     )
 
@@ -126,14 +127,15 @@ DESIGNS = {
     "waves": (
         "{rep} run(s) per round after a warm-up. Makespan: the caller's wall time for the 5 "
         "waves. Sync overhead: last task end of wave k → first task start of wave k+1 "
-        "(handler/executor timestamps), mean over the 4 boundaries — the time to see a wave "
-        "complete and get the next one running. Checked: 250 tasks each ran exactly once, "
-        "no task of wave k+1 started before the last of wave k ended."
+        "(timestamps taken inside the handlers, ours too), mean over the 4 boundaries — "
+        "the time to see a wave complete and get the next one running. Checked: 250 tasks "
+        "each ran exactly once, no task of wave k+1 started before the last of wave k "
+        "ended."
     ),
     "dispatch": (
         "{samples} samples per system (after 10 warm-up tasks per round), a random 20-40 ms "
         "pause before each so the workers are idle in their wait; latency = handler start "
-        "(ours: `execution_log.start_time`, written by the executor as the task starts) - "
+        "(`time.time()` inside the handler, ours too: after the start's durable commit) - "
         "the instant before the enqueue call, same machine clock. Each task is waited for "
         "(the system's own way) before the next."
     ),

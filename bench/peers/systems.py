@@ -88,6 +88,16 @@ def template(system: str) -> str:
     elif system == "raw":
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("CREATE TABLE bench_raw (id bigserial PRIMARY KEY, body bytea NOT NULL)")
+            # The ceiling is woken as every system is: one NOTIFY per inserting statement
+            # (bench.peers.worker.raw_worker LISTENs while the table is empty).
+            conn.execute(
+                "CREATE FUNCTION bench_raw_notify() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$BEGIN PERFORM pg_notify('bench_raw', ''); RETURN NULL; END$$"
+            )
+            conn.execute(
+                "CREATE TRIGGER bench_raw_notify AFTER INSERT ON bench_raw "
+                "FOR EACH STATEMENT EXECUTE FUNCTION bench_raw_notify()"
+            )
     elif system == "procrastinate":
 
         async def install() -> None:

@@ -1,10 +1,10 @@
 """The four workloads, one function per (workload, system); each returns one measurement's
 raw figures after checking the work was done (a broken run raises, no figure).
 
-Timestamps are ``time.time()`` on this machine, taken by the handlers (peers), by our
-executor (``execution_log.start_time`` / ``end_time``), or by the database's ``now()`` of
-the transaction that marked a job complete (procrastinate's ``succeeded`` event,
-pgqueuer's ``successful`` log row).
+Timestamps are ``time.time()`` on this machine, taken inside the handlers (ours too:
+``bench.peers.handlers``, not ``execution_log``'s stamps, which come before the start's
+durable commit), or by the database's ``now()`` of the transaction that marked a job
+complete (procrastinate's ``succeeded`` event, pgqueuer's ``successful`` log row).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 
 from bench.broker_throughput import MESSAGE_TYPE, log, percentile
-from bench.peers import systems
+from bench.peers import handlers, systems
 from bench.peers.systems import (
     OURS_HANDLES,
     POLL,
@@ -40,6 +40,7 @@ CELERY_POLL = 0.005
 
 
 def no_op() -> Any:
+    """Our trivial task where nothing times it (workload 4's cycles, the preload)."""
     from scheduler_lib.scheduler import Task
 
     return Task.python("builtins:abs", 1, name="no-op")
@@ -244,33 +245,36 @@ def waves_ours(waves: int, size: int, repeats: int, ctx: dict[str, Any]) -> list
     from scheduler_lib.broker import Broker
     from scheduler_lib.scheduler import TaskScheduler
 
-    task = no_op()
-    runs = []
+    makespans = []
     with fresh_db("ours") as url:
         worker = WorkerProcess.peer("ours", url, "tasks", concurrency=ctx["workers"])
         try:
             with Broker(url, migrate=False) as broker:
                 scheduler = TaskScheduler(broker)
-                scheduler.run_waves([[task] * 20] * 2)  # warm-up
-                for _ in range(repeats):
+                scheduler.run_waves([[handlers.task(f"warm:{i}") for i in range(20)]])
+                for r in range(repeats):
+                    plan = [
+                        [handlers.task(f"{r}:{k}:{i}") for i in range(size)] for k in range(waves)
+                    ]
                     started = time.monotonic()
-                    report = scheduler.run_waves([[task] * size] * waves)
+                    report = scheduler.run_waves(plan)
                     makespan = time.monotonic() - started
                     if not report.ok:
                         raise RuntimeError(f"ours waves: failures {report.failures}")
                     with psycopg.connect(url, autocommit=True) as conn:
                         rows = conn.execute(
-                            "SELECT wave, start_time, end_time, status, attempts FROM "
-                            "execution_log WHERE scheduler_handle = %s",
+                            "SELECT status, attempts FROM execution_log "
+                            "WHERE scheduler_handle = %s",
                             (str(report.scheduler_handle),),
                         ).fetchall()
-                    bad = [r for r in rows if r[3] != "SUCCEEDED" or r[4] != 1]
+                    bad = [r for r in rows if r != ("SUCCEEDED", 1)]
                     if bad or len(rows) != waves * size:
                         raise RuntimeError(f"ours waves: {len(rows)} rows, {len(bad)} not once")
-                    runs.append((makespan, [(r[0], r[1], r[2]) for r in rows]))
+                    makespans.append(makespan)
         finally:
-            worker.stop()
-    return runs
+            records = worker.stop()
+    # timed inside the handler, as the peers are (bench.peers.handlers)
+    return tasks_by_run(records, waves, size, makespans, "ours")
 
 
 def waves_celery(waves: int, size: int, repeats: int, ctx: dict[str, Any]) -> list[Any]:
@@ -420,32 +424,31 @@ def dispatch_ours(samples: int, ctx: dict[str, Any]) -> list[float]:
         try:
             sent = ours_dispatch_calls(url, samples)
             with psycopg.connect(url, autocommit=True) as conn:
-                starts = dict(
-                    conn.execute(
-                        "SELECT log_id, start_time FROM execution_log WHERE status = "
-                        "'SUCCEEDED' AND attempts = 1"
-                    ).fetchall()
-                )
+                once = conn.execute(
+                    "SELECT count(*) FROM execution_log WHERE status = 'SUCCEEDED' AND attempts = 1"
+                ).fetchone()
         finally:
-            worker.stop()
-    if len(starts) != WARM_DISPATCH + samples:
-        raise RuntimeError(f"ours dispatch: {len(starts)} tasks ran once")
-    return [1000 * (starts[log_id] - called) for log_id, called, _ in sent]
+            records = worker.stop()
+    if once is None or once[0] != WARM_DISPATCH + samples:
+        raise RuntimeError(f"ours dispatch: {once} tasks ran once")
+    # timed inside the handler, as the peers are (bench.peers.handlers)
+    return latencies(records, {tag: called for tag, _, called, _ in sent}, "ours")
 
 
-def ours_dispatch_calls(url: str, samples: int) -> list[tuple[int, float, float]]:
+def ours_dispatch_calls(url: str, samples: int) -> list[tuple[str, int, float, float]]:
     """Our caller's side of workload 3 against a running worker: one task at a time after
-    an idle pause, each waited for. (log id, ``time.time()`` before the ``exec_async``
-    call, after it returned) of each task after the warm-up ones."""
+    an idle pause, each waited for. (tag, log id, ``time.time()`` before the ``exec_async``
+    call, after it returned) of every task, the warm-up ones (tags below
+    ``WARM_DISPATCH``) first; each task is ``bench.peers.handlers.noop(tag)``."""
     from scheduler_lib.broker import Broker
     from scheduler_lib.scheduler import TaskScheduler
 
-    task = no_op()
-    sent: list[tuple[int, float, float]] = []
+    sent: list[tuple[str, int, float, float]] = []
     with Broker(url, migrate=False) as broker:
         scheduler = TaskScheduler(broker)
         with scheduler.scheduler() as handle:
             for i in range(WARM_DISPATCH + samples):
+                task = handlers.task(str(i))
                 jitter()
                 called = time.time()
                 log_id = scheduler.exec_async(handle, task)
@@ -453,8 +456,7 @@ def ours_dispatch_calls(url: str, samples: int) -> list[tuple[int, float, float]
                 done = scheduler.synchronization(handle, timeout=30)
                 if not done.ok or done.log_id != log_id:
                     raise RuntimeError(f"ours dispatch: {done}")
-                if i >= WARM_DISPATCH:
-                    sent.append((log_id, called, returned))
+                sent.append((str(i), log_id, called, returned))
     return sent
 
 
