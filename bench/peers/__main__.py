@@ -74,6 +74,9 @@ PACKAGES = (
     "redis",
     "matplotlib",
 )
+# Workload 1's shapes and their keys' prefix: enqueue while the consumers run, and
+# enqueue first, then drain (issue 24: a producer bounds the concurrent shape at batch 1).
+QUEUE_SHAPES = {"concurrent": "", "drain": "drain_"}
 SIZES = {  # (full, quick)
     "rounds": (3, 1),
     "queue_batch_1": (2000, 300),
@@ -122,7 +125,11 @@ DESIGNS = {
         "consumers dequeue `batch` at a time and complete them (commit). Figure: N / (last "
         "completion - first enqueue), from the consumers' post-commit timestamps (ours, "
         "raw) or the database's completion rows (procrastinate's `succeeded` events, "
-        "pgqueuer's `successful` log). Checked: every message handled exactly once."
+        "pgqueuer's `successful` log). Drain shape: the N messages are enqueued first with "
+        "no consumer, then the 4 consumers start and drain them; figure: the messages after "
+        "the first completion / (last completion - first completion), from the handlers' "
+        "timestamps (no system's start-up counted, no producer bounding it). Checked: every "
+        "message handled exactly once."
     ),
     "waves": (
         "{rep} run(s) per round after a warm-up. Makespan: the caller's wall time for the 5 "
@@ -344,29 +351,32 @@ def run_queue(
     measured: Any,
 ) -> None:
     n = {1: size["queue_batch_1"], 100: size["queue_batch_100"]}
-    pairs = [(s, b) for s in names for b in (1, 100)]
-    results: dict[tuple[str, int], list[dict[str, Any]]] = {p: [] for p in pairs}
+    cases = [(s, shape, b) for s in names for shape in QUEUE_SHAPES for b in (1, 100)]
+    results: dict[tuple[str, str, int], list[dict[str, Any]]] = {c: [] for c in cases}
     for r in range(size["rounds"]):
-        for system, batch in rotated(pairs, r * 3):
+        for system, shape, batch in rotated(cases, r * 3):
+            key = QUEUE_SHAPES[shape] + f"batch_{batch}"
             got = measured(
-                f"queue/{system}/batch_{batch}/round_{r + 1}",
+                f"queue/{system}/{key}/round_{r + 1}",
                 workloads.queue_run,
                 system,
                 n[batch],
                 batch,
                 cfg["workers"],
+                shape,
             )
-            results[(system, batch)].append(got)
-            log(f"queue round {r + 1}: {system} batch {batch}: {got['messages_per_s']} msg/s")
+            results[(system, shape, batch)].append(got)
+            log(f"queue round {r + 1}: {system} {key}: {got['messages_per_s']} msg/s")
     out: dict[str, Any] = {}
     for system in names:
         out[system] = {}
-        for batch in (1, 100):
-            runs = results[(system, batch)]
-            out[system][f"batch_{batch}"] = {
-                **summary([x["messages_per_s"] for x in runs], 1),
-                "details": runs,
-            }
+        for shape, prefix in QUEUE_SHAPES.items():
+            for batch in (1, 100):
+                runs = results[(system, shape, batch)]
+                out[system][f"{prefix}batch_{batch}"] = {
+                    **summary([x["messages_per_s"] for x in runs], 1),
+                    "details": runs,
+                }
     report["workloads"]["queue"] = {
         "design": DESIGNS["queue"].format(b1=n[1], b100=n[100]),
         "systems": out,

@@ -110,17 +110,26 @@ def versus(ours: float, best: float, higher_is_better: bool) -> tuple[str, float
     return (f"behind by {1 / factor:.2f}x (the peer is {1 / factor:.2f}x better)", factor)
 
 
+# Workload 1's columns: (key, heading); the drain shape's are absent from older runs.
+QUEUE_COLUMNS = (
+    ("batch_1", "batch 1"),
+    ("batch_100", "batch 100"),
+    ("drain_batch_1", "drain, batch 1"),
+    ("drain_batch_100", "drain, batch 100"),
+)
+
+
 def queue_table(w: dict[str, Any]) -> list[str]:
+    columns = [c for c in QUEUE_COLUMNS if all(c[0] in r for r in w["systems"].values())]
     lines = [
-        "| system | batch 1: msg/s median (min..max) | batch 100: msg/s median (min..max) |",
-        "| --- | ---: | ---: |",
+        "| system | " + " | ".join(f"{h}: msg/s median (min..max)" for _, h in columns) + " |",
+        "| --- |" + " ---: |" * len(columns),
     ]
     for system, r in w["systems"].items():
-        lines.append(
-            f"| {NAMES[system]} | {spread(r['batch_1'], 0)} | {spread(r['batch_100'], 0)} |"
-        )
+        cells = " | ".join(spread(r[key], 0) for key, _ in columns)
+        lines.append(f"| {NAMES[system]} | {cells} |")
     lines.append("")
-    for batch in ("batch_1", "batch_100"):
+    for batch, heading in columns:
         peers = {
             s: r[batch]["median"]
             for s, r in w["systems"].items()
@@ -129,7 +138,7 @@ def queue_table(w: dict[str, Any]) -> list[str]:
         if "ours" in w["systems"] and peers:
             best = max(peers, key=lambda s: peers[s])
             text, _ = versus(w["systems"]["ours"][batch]["median"], peers[best], True)
-            line = f"- {batch.replace('_', ' ')}: ours {text} vs the best peer ({NAMES[best]})"
+            line = f"- {heading}: ours {text} vs the best peer ({NAMES[best]})"
             if "raw" in w["systems"]:
                 raw = w["systems"]["raw"][batch]["median"]
                 line += (
@@ -299,12 +308,11 @@ def charts(report: dict[str, Any], directory: Path) -> list[Path]:
         if not w:
             continue
         systems = list(w["systems"])
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        columns = [c for c in QUEUE_COLUMNS if all(c[0] in r for r in w["systems"].values())]
+        wide = name == "queue" and len(columns) > 2
+        fig, axes = plt.subplots(1, len(columns) if wide else 2, figsize=(20 if wide else 10, 3.6))
         if name == "queue":
-            panels = [
-                ("batch_1", "batch 1: msg/s (higher is better)"),
-                ("batch_100", "batch 100: msg/s (higher is better)"),
-            ]
+            panels = [(key, f"{heading}: msg/s (higher is better)") for key, heading in columns]
             for ax, (key, title) in zip(axes, panels, strict=True):
                 _spread_bars(ax, w, systems, key, [colors[s] for s in systems])
                 ax.set_title(title, fontsize=10)
