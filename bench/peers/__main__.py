@@ -55,9 +55,34 @@ RESULTS = REPO / "bench" / "results"
 DOCS = REPO / "docs" / "benchmarks.md"
 IMG = REPO / "docs" / "img"
 ALL_SYSTEMS = {
-    "queue": ["ours", "procrastinate", "pgqueuer", "raw"],
-    "waves": ["ours", "celery", "pgqueuer", "procrastinate"],
-    "dispatch": ["ours", "celery", "pgqueuer", "procrastinate"],
+    "queue": [
+        "ours",
+        "procrastinate",
+        "procrastinate_4p",
+        "pgqueuer",
+        "pgqueuer_4p",
+        "celery",
+        "celery_p4",
+        "raw",
+    ],
+    "waves": [
+        "ours",
+        "celery",
+        "celery_p4",
+        "pgqueuer",
+        "pgqueuer_4p",
+        "procrastinate",
+        "procrastinate_4p",
+    ],
+    "dispatch": [
+        "ours",
+        "celery",
+        "celery_p4",
+        "pgqueuer",
+        "pgqueuer_4p",
+        "procrastinate",
+        "procrastinate_4p",
+    ],
     "scale": ["ours", "procrastinate", "pgqueuer", "celery"],
 }
 PACKAGES = (
@@ -103,14 +128,19 @@ def settings_text(cfg: dict[str, Any]) -> str:
         f"{cfg['workers']}`, async no-op task, LISTEN/NOTIFY on, jobs kept (its default), "
         "psycopg pool of up to 10; it dequeues one job per fetch (no batch dequeue), so batch "
         f"100 batches only the enqueue (`batch_defer_async`); callers poll job status every "
-        f"{int(systems.POLL * 1000)} ms (procrastinate has no completion wait). "
+        f"{int(systems.POLL * 1000)} ms (procrastinate has no completion wait); also as 4 "
+        "worker processes of `concurrency=1` (`procrastinate_4p`). "
         "**pgqueuer**: one `QueueManager` on asyncpg, `batch_size` = the batch, entrypoint "
         f"`concurrency_limit` = {cfg['workers']} x batch; callers wait through "
         f"`CompletionWatcher` (debounce {int(systems.PGQ_DEBOUNCE.total_seconds() * 1000)} "
-        "ms instead of its 50 ms default). **Celery**: prefork `--concurrency "
+        "ms instead of its 50 ms default); also as 4 worker processes of a quarter of the "
+        "concurrency each (`pgqueuer_4p`). The verdicts compare ours with the best of "
+        "every peer deployment. **Celery**: prefork `--concurrency "
         f"{cfg['workers']}`, Redis broker and result backend, acks early (its default), "
-        f"prefetch multiplier {cfg['celery_prefetch']}, gossip/mingle/heartbeat off; a wave "
-        "is `group(...).apply_async().get()`. **raw**: 4 consumer threads on their own "
+        "prefetch multiplier 1 and, as a system of its own (`celery_p4`), 4 (its default, "
+        "recommended for short tasks), gossip/mingle/heartbeat off; a wave "
+        "is `group(...).apply_async().get()`, a batch-100 enqueue a `group` of 100 (Celery "
+        "has no batched enqueue or dequeue). **raw**: 4 consumer threads on their own "
         "autocommit connections, `DELETE … WHERE id IN (SELECT … ORDER BY id LIMIT batch "
         "FOR UPDATE SKIP LOCKED) RETURNING body`, waiting for the NOTIFY of the next insert "
         "(a statement trigger) when empty. "
@@ -221,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", help="systems, comma-separated (default: all)")
     parser.add_argument("--rounds", type=int, help="rounds (default 3, quick 1)")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--celery-prefetch", type=int, default=1)
     parser.add_argument("--retained", type=int, help="workload 4's completed items")
     parser.add_argument("--write-docs", action="store_true", help="write JSON and docs anyway")
     parser.add_argument("--no-docs", action="store_true", help="write the JSON only")
@@ -253,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown workload {w!r}")
     plan = {w: [s for s in ALL_SYSTEMS[w] if chosen is None or s in chosen] for w in only}
     complete = not args.only and not args.systems and not args.quick
-    cfg = {"workers": args.workers, "celery_prefetch": args.celery_prefetch, **size}
+    cfg = {"workers": args.workers, **size}
 
     before = busy_pct(1.0)
     if before > BUSY_WARNING_PCT:
@@ -294,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
             noisy.append(f"{label} ({acc.foreign}%)")
         return value
 
-    uses_celery = any("celery" in s for s in plan.values())
+    uses_celery = any(s.startswith("celery") for v in plan.values() for s in v)
     redis = systems.Redis() if uses_celery else None
-    ctx: dict[str, Any] = {"workers": args.workers, "celery_prefetch": args.celery_prefetch}
+    ctx: dict[str, Any] = {"workers": args.workers, "celery_prefetch": 1}
     try:
         if redis is not None:
             report["machine"]["redis"] = redis.version
@@ -304,11 +333,11 @@ def main(argv: list[str] | None = None) -> int:
             ctx["redis_url"] = redis_db.__enter__()
             ctx["redis"] = redis
             ctx["redis_flush"] = lambda: redis.flush(ctx["redis_url"])
-            ctx["celery"] = systems.celery_module(ctx["redis_url"], args.celery_prefetch)
-        for system in sorted({s for v in plan.values() for s in v} - {"celery"}):
-            systems.template(system)
+            ctx["celery"] = systems.celery_module(ctx["redis_url"], 1)
+        for system in sorted({s for v in plan.values() for s in v} - {"celery", "celery_p4"}):
+            systems.template(workloads.deployment(system)[0])
         if "queue" in plan:
-            run_queue(plan["queue"], size, cfg, report, measured)
+            run_queue(plan["queue"], size, cfg, ctx, report, measured)
         if "waves" in plan:
             run_waves(plan["waves"], size, ctx, report, measured)
         if "dispatch" in plan:
@@ -347,6 +376,7 @@ def run_queue(
     names: list[str],
     size: dict[str, Any],
     cfg: dict[str, Any],
+    ctx: dict[str, Any],
     report: dict[str, Any],
     measured: Any,
 ) -> None:
@@ -356,15 +386,21 @@ def run_queue(
     for r in range(size["rounds"]):
         for system, shape, batch in rotated(cases, r * 3):
             key = QUEUE_SHAPES[shape] + f"batch_{batch}"
-            got = measured(
-                f"queue/{system}/{key}/round_{r + 1}",
-                workloads.queue_run,
-                system,
-                n[batch],
-                batch,
-                cfg["workers"],
-                shape,
-            )
+            label = f"queue/{system}/{key}/round_{r + 1}"
+            if system in workloads.CELERY_PREFETCH:
+                got = measured(
+                    label,
+                    workloads.queue_celery,
+                    n[batch],
+                    batch,
+                    cfg["workers"],
+                    shape,
+                    workloads.celery_ctx(system, ctx),
+                )
+            else:
+                got = measured(
+                    label, workloads.queue_run, system, n[batch], batch, cfg["workers"], shape
+                )
             results[(system, shape, batch)].append(got)
             log(f"queue round {r + 1}: {system} {key}: {got['messages_per_s']} msg/s")
     out: dict[str, Any] = {}

@@ -15,8 +15,11 @@ NAMES = {
     "ours": "scheduler_lib (ours)",
     "raw": "raw INSERT / DELETE … SKIP LOCKED (ceiling)",
     "procrastinate": "procrastinate",
+    "procrastinate_4p": "procrastinate, 4 worker processes",
     "pgqueuer": "pgqueuer",
-    "celery": "Celery (Redis)",
+    "pgqueuer_4p": "pgqueuer, 4 worker processes",
+    "celery": "Celery (Redis), prefetch 1",
+    "celery_p4": "Celery (Redis), prefetch 4",
 }
 WORKLOADS = ("queue", "waves", "dispatch", "scale")
 
@@ -302,6 +305,9 @@ def charts(report: dict[str, Any], directory: Path) -> list[Path]:
         "procrastinate": "#2ca02c",
         "pgqueuer": "#ff7f0e",
         "celery": "#d62728",
+        "celery_p4": "#9467bd",
+        "procrastinate_4p": "#98df8a",
+        "pgqueuer_4p": "#ffbb78",
     }
     for name in WORKLOADS:
         w = report["workloads"].get(name)

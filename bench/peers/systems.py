@@ -263,6 +263,28 @@ class WorkerProcess:
         }
         return cls([sys.executable, "-m", "bench.peers.worker", json.dumps(config)], out=out)
 
+    @classmethod
+    def peers(
+        cls,
+        system: str,
+        url: str,
+        role: str,
+        top: int = 1,
+        concurrency: int = 4,
+        processes: int = 1,
+    ) -> WorkerGroup:
+        """``processes`` of :meth:`peer`, sharing ``concurrency`` between them (a
+        deployment of several worker processes), all READY."""
+        each = max(1, concurrency // processes)
+        group = WorkerGroup([])
+        try:
+            for _ in range(processes):
+                group.workers.append(cls.peer(system, url, role, top=top, concurrency=each))
+        except BaseException:
+            group.stop()
+            raise
+        return group
+
     def _wait_ready(self) -> None:
         line: list[str] = []
         reader = threading.Thread(
@@ -345,6 +367,19 @@ def celery_worker(redis_url: str, concurrency: int, prefetch: int) -> WorkerProc
     ]
     env = {"BENCH_CELERY_REDIS": redis_url, "BENCH_CELERY_PREFETCH": str(prefetch)}
     return WorkerProcess(cmd, env, ready=False)
+
+
+class WorkerGroup:
+    """Several worker processes of one system: stopped together, their records merged."""
+
+    def __init__(self, workers: list[WorkerProcess]) -> None:
+        self.workers = workers
+
+    def stop(self) -> list[list[Any]]:
+        records: list[list[Any]] = []
+        for worker in self.workers:
+            records.extend(worker.stop())
+        return records
 
 
 def celery_module(redis_url: str, prefetch: int) -> Any:

@@ -10,6 +10,7 @@ complete (procrastinate's ``succeeded`` event, pgqueuer's ``successful`` log row
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 import uuid
@@ -62,16 +63,19 @@ def queue_run(
     figure)."""
     if shape == "drain":
         return drain_run(system, n, batch, concurrency)
+    name, processes = deployment(system)
     tags = [str(i) for i in range(n)]
-    with fresh_db(system) as url:
-        worker = WorkerProcess.peer(system, url, "queue", top=batch, concurrency=concurrency)
+    with fresh_db(name) as url:
+        worker = WorkerProcess.peers(
+            name, url, "queue", top=batch, concurrency=concurrency, processes=processes
+        )
         try:
-            first, produced = PRODUCERS[system](url, tags, batch)
-            wait_until(lambda: REMAINING[system](url) == 0, DRAIN_TIMEOUT, f"{system} drain")
+            first, produced = PRODUCERS[name](url, tags, batch)
+            wait_until(lambda: REMAINING[name](url) == 0, DRAIN_TIMEOUT, f"{system} drain")
         finally:
             records = worker.stop()
         check_exactly_once([r[0] for r in records], set(tags), f"{system} queue batch {batch}")
-        last = LAST_COMPLETION.get(system, lambda url, records: max(r[2] for r in records))(
+        last = LAST_COMPLETION.get(name, lambda url, records: max(r[2] for r in records))(
             url, records
         )
     seconds = last - first
@@ -84,14 +88,99 @@ def queue_run(
     }
 
 
+# Celery at each prefetch multiplier its docs discuss: 1 (a child holds one task: fair for
+# long tasks, the harness's choice before issue 24) and 4 (Celery's default, which its docs
+# recommend for many short tasks). Both are reported; the better is the peer to beat.
+CELERY_PREFETCH = {"celery": 1, "celery_p4": 4}
+
+
+def celery_ctx(system: str, ctx: dict[str, Any]) -> dict[str, Any]:
+    """``ctx`` for the Celery system ``system`` (its prefetch multiplier)."""
+    return {**ctx, "celery_prefetch": CELERY_PREFETCH[system]}
+
+
+# PostgreSQL peers deployed as several worker processes too (issue 24: each at its best
+# documented deployment): the system's name here -> (the peer, its worker processes), the
+# concurrency shared between them.
+DEPLOYMENTS = {"procrastinate_4p": ("procrastinate", 4), "pgqueuer_4p": ("pgqueuer", 4)}
+
+
+def deployment(system: str) -> tuple[str, int]:
+    """(the peer, its worker processes) of a system of this benchmark."""
+    return DEPLOYMENTS.get(system, (system, 1))
+
+
+def queue_celery(
+    n: int, batch: int, concurrency: int, shape: str, ctx: dict[str, Any]
+) -> dict[str, Any]:
+    """Workload 1 for Celery, both shapes: ``noop`` tasks published one per call (batch 1)
+    or as a ``group`` of ``batch`` (Celery has no batched dequeue: its prefetch is the
+    nearest thing, set by ``--celery-prefetch``); the handlers' records are the results it
+    stored in Redis, read back once all are there."""
+    from celery import group
+
+    module = ctx["celery"]
+    tags = [str(i) for i in range(n)]
+
+    def produce() -> tuple[float, float]:
+        first = time.time()
+        for start in range(0, n, batch):
+            chunk = tags[start : start + batch]
+            if batch == 1:
+                module.noop.apply_async(args=chunk)
+            else:
+                group(module.noop.s(t) for t in chunk).apply_async()
+        return first, time.time()
+
+    client = ctx["redis"].module.Redis.from_url(ctx["redis_url"])
+    worker = None
+    try:
+        if shape == "concurrent":
+            worker = systems.celery_worker(ctx["redis_url"], concurrency, ctx["celery_prefetch"])
+            systems.celery_ready(module, worker)
+            for key in client.keys("celery-task-meta-*"):  # the readiness probe's
+                client.delete(key)
+            first, produced = produce()
+        else:
+            produce()
+            worker = systems.celery_worker(ctx["redis_url"], concurrency, ctx["celery_prefetch"])
+        wait_until(
+            lambda: len(client.keys("celery-task-meta-*")) >= n, DRAIN_TIMEOUT, "celery drain"
+        )
+        metas = [json.loads(v) for v in client.mget(client.keys("celery-task-meta-*"))]
+    finally:
+        if worker is not None:
+            worker.stop()
+        client.close()
+        ctx["redis_flush"]()
+    records = [m["result"] for m in metas if m["status"] == "SUCCESS"]
+    check_exactly_once([r[0] for r in records], set(tags), f"celery queue {shape} batch {batch}")
+    ends = sorted(r[2] for r in records)
+    if shape == "concurrent":
+        seconds, counted = ends[-1] - first, n
+        extra = {"enqueue_seconds": round(produced - first, 3)}
+    else:
+        seconds, counted, extra = ends[-1] - ends[0], n - ends.count(ends[0]), {}
+    return {
+        "messages": n,
+        "seconds": round(seconds, 3),
+        "messages_per_s": round(counted / seconds, 1),
+        **extra,
+        "verified": f"{n} enqueued, {n} handled exactly once",
+    }
+
+
 def drain_run(system: str, n: int, batch: int, concurrency: int) -> dict[str, Any]:
     """:func:`queue_run`'s drain shape: ``n`` messages enqueued, then drained."""
+    name, processes = deployment(system)
     tags = [str(i) for i in range(n)]
-    with fresh_db(system) as url:
-        PRODUCERS[system](url, tags, batch)
-        worker = WorkerProcess.peer(system, url, "queue", top=batch, concurrency=concurrency)
+    with fresh_db(name) as url:
+        PRODUCERS[name](url, tags, batch)
+        worker = WorkerProcess.peers(
+            name, url, "queue", top=batch, concurrency=concurrency, processes=processes
+        )
         try:
-            wait_until(lambda: REMAINING[system](url) == 0, DRAIN_TIMEOUT, f"{system} drain")
+            wait_until(lambda: REMAINING[name](url) == 0, DRAIN_TIMEOUT, f"{system} drain")
         finally:
             records = worker.stop()
     check_exactly_once([r[0] for r in records], set(tags), f"{system} drain batch {batch}")
@@ -343,7 +432,13 @@ def waves_procrastinate(waves: int, size: int, repeats: int, ctx: dict[str, Any]
     from bench.peers.worker import procrastinate_app
 
     with fresh_db("procrastinate") as url:
-        worker = WorkerProcess.peer("procrastinate", url, "tasks", concurrency=ctx["workers"])
+        worker = WorkerProcess.peers(
+            "procrastinate",
+            url,
+            "tasks",
+            concurrency=ctx["workers"],
+            processes=ctx.get("processes", 1),
+        )
         makespans: list[float] = []
         try:
 
@@ -377,7 +472,9 @@ def waves_procrastinate(waves: int, size: int, repeats: int, ctx: dict[str, Any]
 
 def waves_pgqueuer(waves: int, size: int, repeats: int, ctx: dict[str, Any]) -> list[Any]:
     with fresh_db("pgqueuer") as url:
-        worker = WorkerProcess.peer("pgqueuer", url, "tasks", concurrency=ctx["workers"])
+        worker = WorkerProcess.peers(
+            "pgqueuer", url, "tasks", concurrency=ctx["workers"], processes=ctx.get("processes", 1)
+        )
         makespans: list[float] = []
         try:
 
@@ -433,9 +530,12 @@ def tasks_by_run(
 
 WAVES = {
     "ours": waves_ours,
-    "celery": waves_celery,
+    "celery": lambda w, s, r, ctx: waves_celery(w, s, r, celery_ctx("celery", ctx)),
+    "celery_p4": lambda w, s, r, ctx: waves_celery(w, s, r, celery_ctx("celery_p4", ctx)),
     "procrastinate": waves_procrastinate,
+    "procrastinate_4p": lambda w, s, r, ctx: waves_procrastinate(w, s, r, {**ctx, "processes": 4}),
     "pgqueuer": waves_pgqueuer,
+    "pgqueuer_4p": lambda w, s, r, ctx: waves_pgqueuer(w, s, r, {**ctx, "processes": 4}),
 }
 
 
@@ -518,7 +618,13 @@ def dispatch_procrastinate(samples: int, ctx: dict[str, Any]) -> list[float]:
 
     called: dict[str, float] = {}
     with fresh_db("procrastinate") as url:
-        worker = WorkerProcess.peer("procrastinate", url, "tasks", concurrency=ctx["workers"])
+        worker = WorkerProcess.peers(
+            "procrastinate",
+            url,
+            "tasks",
+            concurrency=ctx["workers"],
+            processes=ctx.get("processes", 1),
+        )
         try:
 
             async def go() -> None:
@@ -546,7 +652,9 @@ def dispatch_procrastinate(samples: int, ctx: dict[str, Any]) -> list[float]:
 def dispatch_pgqueuer(samples: int, ctx: dict[str, Any]) -> list[float]:
     called: dict[str, float] = {}
     with fresh_db("pgqueuer") as url:
-        worker = WorkerProcess.peer("pgqueuer", url, "tasks", concurrency=ctx["workers"])
+        worker = WorkerProcess.peers(
+            "pgqueuer", url, "tasks", concurrency=ctx["workers"], processes=ctx.get("processes", 1)
+        )
         try:
 
             async def go() -> None:
@@ -589,9 +697,12 @@ def latencies(records: list[Any], called: dict[str, float], system: str) -> list
 
 DISPATCH = {
     "ours": dispatch_ours,
-    "celery": dispatch_celery,
+    "celery": lambda n, ctx: dispatch_celery(n, celery_ctx("celery", ctx)),
+    "celery_p4": lambda n, ctx: dispatch_celery(n, celery_ctx("celery_p4", ctx)),
     "procrastinate": dispatch_procrastinate,
+    "procrastinate_4p": lambda n, ctx: dispatch_procrastinate(n, {**ctx, "processes": 4}),
     "pgqueuer": dispatch_pgqueuer,
+    "pgqueuer_4p": lambda n, ctx: dispatch_pgqueuer(n, {**ctx, "processes": 4}),
 }
 
 
