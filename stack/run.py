@@ -2,17 +2,17 @@
 
 What docker-compose.yaml runs in containers, without a container engine: the machine's
 PostgreSQL (Airflow's metadata, the broker with the roles of docs/operations.md, and the
-Hive metastore the worker applications share), Airflow
-as its own processes (api-server, scheduler, dag-processor, triggerer; LocalExecutor), a
+Hive metastore the worker applications share), Airflow as its own processes (api-server,
+scheduler, dag-processor, triggerer; LocalExecutor), a
 Spark standalone cluster (a master and two workers from the ``spark-class`` inside the
 pyspark wheel), two ``scheduler-lib worker`` applications submitted to it, and
 ``scheduler-lib serve``. honcho supervises them from ``stack/Procfile``.
 
 This module prepares what must exist before the processes start (databases and roles, the
-broker's schema, Airflow's metadata schema, the metastore's tables, the admin user's password
-file), builds the one
-environment every process gets, and hands over to honcho. Secrets come from ``.env`` (or
-``$STACK_ENV_FILE``) into that environment only: no command line carries one.
+broker's schema, Airflow's metadata schema, the metastore's tables, the admin user's
+password file), builds the one environment every process gets, and hands over to honcho.
+Secrets come from ``.env`` (or ``$STACK_ENV_FILE``) into that environment only: no command
+line carries one.
 """
 
 from __future__ import annotations

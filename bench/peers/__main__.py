@@ -54,6 +54,16 @@ REPO = Path(__file__).resolve().parent.parent.parent
 RESULTS = REPO / "bench" / "results"
 DOCS = REPO / "docs" / "benchmarks.md"
 IMG = REPO / "docs" / "img"
+# Workloads 2 and 3 (tasks run by workers): every deployment of every task system.
+TASK_SYSTEMS = [
+    "ours",
+    "celery",
+    "celery_p4",
+    "pgqueuer",
+    "pgqueuer_4p",
+    "procrastinate",
+    "procrastinate_4p",
+]
 ALL_SYSTEMS = {
     "queue": [
         "ours",
@@ -65,24 +75,8 @@ ALL_SYSTEMS = {
         "celery_p4",
         "raw",
     ],
-    "waves": [
-        "ours",
-        "celery",
-        "celery_p4",
-        "pgqueuer",
-        "pgqueuer_4p",
-        "procrastinate",
-        "procrastinate_4p",
-    ],
-    "dispatch": [
-        "ours",
-        "celery",
-        "celery_p4",
-        "pgqueuer",
-        "pgqueuer_4p",
-        "procrastinate",
-        "procrastinate_4p",
-    ],
+    "waves": TASK_SYSTEMS,
+    "dispatch": TASK_SYSTEMS,
     "scale": ["ours", "procrastinate", "pgqueuer", "celery"],
 }
 PACKAGES = (
@@ -154,7 +148,8 @@ DESIGNS = {
         "enqueue call each; batch 100: N={b100}, 100 per call) while the system's 4 "
         "consumers dequeue `batch` at a time and complete them (commit). Figure: N / (last "
         "completion - first enqueue), from the consumers' post-commit timestamps (ours, "
-        "raw) or the database's completion rows (procrastinate's `succeeded` events, "
+        "raw), Celery's handlers' end (before it stores the result), or the database's "
+        "completion rows (procrastinate's `succeeded` events, "
         "pgqueuer's `successful` log). Drain shape: the N messages are enqueued first with "
         "no consumer, then the 4 consumers start and drain them; figure: the messages after "
         "the first completion / (last completion - first completion), from the handlers' "

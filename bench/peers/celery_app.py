@@ -20,8 +20,8 @@ QUEUE = "bench"
 # acks early (Celery's default; acks_late adds one more Redis round trip per task and
 # only matters when a worker dies mid-task, which no workload here does); prefetch
 # multiplier from BENCH_CELERY_PREFETCH (default 1: with waves of 50 tasks on 4 children a
-# child that prefetches holds tasks others could run; the harness's --celery-prefetch
-# sets it); results in Redis, expiring after a day (Celery's default).
+# child that prefetches holds tasks others could run; the harness runs Celery at 1 and, as
+# the system celery_p4, at 4); results in Redis, expiring after a day (Celery's default).
 CONFIG = {
     "broker_url": REDIS_URL,
     "result_backend": REDIS_URL,

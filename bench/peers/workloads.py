@@ -110,12 +110,29 @@ def deployment(system: str) -> tuple[str, int]:
     return DEPLOYMENTS.get(system, (system, 1))
 
 
+def task_workers(name: str, url: str, ctx: dict[str, Any]) -> systems.WorkerGroup:
+    """The task workers of the peer ``name`` (workloads 2 and 3): ``ctx["workers"]``
+    concurrency over ``ctx["processes"]`` processes (1 unless a deployment says)."""
+    return WorkerProcess.peers(
+        name, url, "tasks", concurrency=ctx["workers"], processes=ctx.get("processes", 1)
+    )
+
+
+def drain_rate(records: list[Any], n: int) -> tuple[float, float]:
+    """(seconds, msgs/s) of a drain from its handlers' records: the messages of the first
+    completion (a whole batch for a consumer that commits one) are not counted, the clock
+    starts when they were done."""
+    ends = sorted(r[2] for r in records)
+    seconds = ends[-1] - ends[0]
+    return seconds, (n - ends.count(ends[0])) / seconds
+
+
 def queue_celery(
     n: int, batch: int, concurrency: int, shape: str, ctx: dict[str, Any]
 ) -> dict[str, Any]:
     """Workload 1 for Celery, both shapes: ``noop`` tasks published one per call (batch 1)
     or as a ``group`` of ``batch`` (Celery has no batched dequeue: its prefetch is the
-    nearest thing, set by ``--celery-prefetch``); the handlers' records are the results it
+    nearest thing, set by ``ctx["celery_prefetch"]``); the handlers' records are the results it
     stored in Redis, read back once all are there."""
     from celery import group
 
@@ -155,16 +172,17 @@ def queue_celery(
         ctx["redis_flush"]()
     records = [m["result"] for m in metas if m["status"] == "SUCCESS"]
     check_exactly_once([r[0] for r in records], set(tags), f"celery queue {shape} batch {batch}")
-    ends = sorted(r[2] for r in records)
+    extra = {}
     if shape == "concurrent":
-        seconds, counted = ends[-1] - first, n
+        seconds = max(r[2] for r in records) - first
+        rate = n / seconds
         extra = {"enqueue_seconds": round(produced - first, 3)}
     else:
-        seconds, counted, extra = ends[-1] - ends[0], n - ends.count(ends[0]), {}
+        seconds, rate = drain_rate(records, n)
     return {
         "messages": n,
         "seconds": round(seconds, 3),
-        "messages_per_s": round(counted / seconds, 1),
+        "messages_per_s": round(rate, 1),
         **extra,
         "verified": f"{n} enqueued, {n} handled exactly once",
     }
@@ -184,15 +202,11 @@ def drain_run(system: str, n: int, batch: int, concurrency: int) -> dict[str, An
         finally:
             records = worker.stop()
     check_exactly_once([r[0] for r in records], set(tags), f"{system} drain batch {batch}")
-    ends = sorted(r[2] for r in records)
-    # The messages of the first completion (a whole batch for a consumer that commits
-    # one) are not counted: the clock starts when they were done.
-    counted = n - ends.count(ends[0])
-    seconds = ends[-1] - ends[0]
+    seconds, rate = drain_rate(records, n)
     return {
         "messages": n,
         "seconds": round(seconds, 3),
-        "messages_per_s": round(counted / seconds, 1),
+        "messages_per_s": round(rate, 1),
         "verified": f"{n} enqueued first, {n} handled exactly once",
     }
 
@@ -432,13 +446,7 @@ def waves_procrastinate(waves: int, size: int, repeats: int, ctx: dict[str, Any]
     from bench.peers.worker import procrastinate_app
 
     with fresh_db("procrastinate") as url:
-        worker = WorkerProcess.peers(
-            "procrastinate",
-            url,
-            "tasks",
-            concurrency=ctx["workers"],
-            processes=ctx.get("processes", 1),
-        )
+        worker = task_workers("procrastinate", url, ctx)
         makespans: list[float] = []
         try:
 
@@ -472,9 +480,7 @@ def waves_procrastinate(waves: int, size: int, repeats: int, ctx: dict[str, Any]
 
 def waves_pgqueuer(waves: int, size: int, repeats: int, ctx: dict[str, Any]) -> list[Any]:
     with fresh_db("pgqueuer") as url:
-        worker = WorkerProcess.peers(
-            "pgqueuer", url, "tasks", concurrency=ctx["workers"], processes=ctx.get("processes", 1)
-        )
+        worker = task_workers("pgqueuer", url, ctx)
         makespans: list[float] = []
         try:
 
@@ -618,13 +624,7 @@ def dispatch_procrastinate(samples: int, ctx: dict[str, Any]) -> list[float]:
 
     called: dict[str, float] = {}
     with fresh_db("procrastinate") as url:
-        worker = WorkerProcess.peers(
-            "procrastinate",
-            url,
-            "tasks",
-            concurrency=ctx["workers"],
-            processes=ctx.get("processes", 1),
-        )
+        worker = task_workers("procrastinate", url, ctx)
         try:
 
             async def go() -> None:
@@ -652,9 +652,7 @@ def dispatch_procrastinate(samples: int, ctx: dict[str, Any]) -> list[float]:
 def dispatch_pgqueuer(samples: int, ctx: dict[str, Any]) -> list[float]:
     called: dict[str, float] = {}
     with fresh_db("pgqueuer") as url:
-        worker = WorkerProcess.peers(
-            "pgqueuer", url, "tasks", concurrency=ctx["workers"], processes=ctx.get("processes", 1)
-        )
+        worker = task_workers("pgqueuer", url, ctx)
         try:
 
             async def go() -> None:
