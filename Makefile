@@ -85,7 +85,7 @@ bench-venv: $(BENCH_STAMP)
 $(BENCH_STAMP): pyproject.toml constraints.txt bench/requirements-peers.txt
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt -e .
+	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt -e ".[binary]"
 	$(BENCH_VENV)/bin/python -m pip install --quiet -r bench/requirements-peers.txt
 	touch $(BENCH_STAMP)
 

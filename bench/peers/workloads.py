@@ -92,6 +92,8 @@ def queue_run(
 # long tasks, the harness's choice before issue 24) and 4 (Celery's default, which its docs
 # recommend for many short tasks). Both are reported; the better is the peer to beat.
 CELERY_PREFETCH = {"celery": 1, "celery_p4": 4}
+# Systems whose consumers take one job per fetch, whatever the batch (no batch dequeue).
+ONE_PER_FETCH = frozenset({"procrastinate", "procrastinate_4p", *CELERY_PREFETCH})
 
 
 def celery_ctx(system: str, ctx: dict[str, Any]) -> dict[str, Any]:
