@@ -12,8 +12,10 @@ Two parts, each on a fresh database cloned from the peers benchmark's template:
    back to back, on the tasks those calls queued.
 2. **The whole path** with the peers benchmark's worker (4 executor threads in another
    process), split where the worker process can see it: the call to the NOTIFY reaching
-   the worker's listener, the listener to the take being issued, the take's round trip,
-   the take to the recorded start. The worker here is ``bench.peers.worker``'s, with two
+   the worker's listener, the listener to the take being issued, the take's round trip
+   (the take and the task's durable start, two statements in one round trip), the take's
+   return to the first line of the task's handler (``bench.peers.handlers.noop``, where
+   ``bench.peers`` times every system). The worker here is ``bench.peers.worker``'s, with two
    timestamps added by wrapping ``Wakeups.notify`` and ``Broker._take_fast`` (diagnostic
    only: private names, so this script may need updating when they change).
 
@@ -34,8 +36,6 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
-
-import psycopg
 
 from bench.broker_throughput import append_docs, log
 from bench.peers.systems import WorkerProcess, drop_templates, fresh_db, jitter
@@ -93,7 +93,7 @@ def caller_alone(samples: int) -> dict[str, float]:
 
 
 def whole_path(samples: int) -> dict[str, float]:
-    """Median ms of each step from the call to the recorded start, with a worker."""
+    """Median ms of each step from the call to the handler's start, with a worker."""
     fd, record = tempfile.mkstemp(prefix="bench-dispatch-", suffix=".json")
     os.close(fd)
     with fresh_db("ours") as url:
@@ -102,8 +102,6 @@ def whole_path(samples: int) -> dict[str, float]:
         )
         try:
             calls = ours_dispatch_calls(url, samples)
-            with psycopg.connect(url, autocommit=True) as conn:
-                starts = dict(conn.execute("SELECT log_id, start_time FROM execution_log"))
         finally:
             worker.stop()
     with open(record) as fh:
@@ -111,20 +109,21 @@ def whole_path(samples: int) -> dict[str, float]:
     os.unlink(record)
     notified = sorted(seen["notify"])
     takes = sorted(zip(seen["take_issued"], seen["take_done"], strict=True))
+    handled = {tag: start for tag, start, _ in seen["records"]}
     steps: dict[str, list[float]] = {
         "exec_async (the caller's call)": [],
         "call -> NOTIFY seen by the worker": [],
         "NOTIFY -> take issued": [],
-        "take (one statement)": [],
-        "take -> start recorded": [],
-        "total: call -> start": [],
+        "take + durable start (one round trip)": [],
+        "take returned -> handler start": [],
+        "total: call -> handler start": [],
     }
-    for tag, log_id, called, returned in calls:
+    for tag, _, called, returned in calls:
         if int(tag) < WARM_DISPATCH:
             continue
         notice = notified[bisect.bisect_left(notified, called)]
         issued, taken = takes[bisect.bisect_left(takes, (called,))]
-        start = starts[log_id]
+        start = handled[tag]
         for name, ms in zip(
             steps,
             (
@@ -154,7 +153,7 @@ def instrumented_worker(url: str, record: str) -> None:
     from scheduler_lib.broker import broker as broker_module
     from scheduler_lib.broker import wakeup
 
-    seen: dict[str, list[float]] = {"notify": [], "take_issued": [], "take_done": []}
+    seen: dict[str, list[Any]] = {"notify": [], "take_issued": [], "take_done": []}
     notify: Callable[..., Any] = wakeup.Wakeups.notify
     take: Callable[..., Any] = broker_module.Broker._take_fast
 
@@ -174,7 +173,8 @@ def instrumented_worker(url: str, record: str) -> None:
     broker_module.Broker._take_fast = timed_take  # type: ignore[method-assign]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    ours_worker(url, 4, stop, role="tasks")  # prints READY (for WorkerProcess) once running
+    # prints READY (for WorkerProcess) once running; the handlers' [tag, start, end]
+    seen["records"] = ours_worker(url, 4, stop, role="tasks")
     with open(record, "w") as fh:
         json.dump(seen, fh)
 

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 
 from scheduler_lib.broker import connections, exceptions, poison, schema, store, wakeup
 from scheduler_lib.broker import engine as engines
+from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
 from scheduler_lib.broker.models import QueueInfo, Validation
@@ -185,8 +186,51 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
 
         return self.retrying(read, what=query)
 
+    def take_recorded(
+        self,
+        queue: str,
+        query: str,
+        params: dict[str, Any],
+        *,
+        timeout: float | None = None,
+        lease: float = poison.DEFAULT_LEASE,
+        worker: str | None = None,
+    ) -> tuple[list[Lease], list[tuple[Any, ...]] | None]:
+        """:meth:`take` of one message with ``durable=False``, and in the same round trip
+        the named statement ``query`` (of :meth:`use_queries`) in a transaction of its
+        own that commits durably — which flushes the take too: what a worker records
+        before the work begins ("started") at no round trip of its own. The statement
+        finds the leases as ``message_leases`` rows of ``worker = :holder`` and
+        ``taken_at = :taken_at`` (both bound here, besides ``params``).
+
+        :return: the leases and the statement's rows — ``None`` when it did not run or
+            its outcome is unknown (another dialect, a failure, a lost reply): record
+            each lease the usual way then (the statement must be idempotent)
+        """
+        duration = checks.timeout(lease, "lease")
+        if not duration:
+            raise exceptions.InvalidArgument("a lease needs a duration greater than 0 seconds")
+        holder = worker or poison.worker_name()
+        if not self._store.has(query):
+            return self.take(queue, 1, timeout, lease=duration, worker=holder, durable=False), None
+        record = _Record(query, params)
+        wait = checks.timeout(timeout)
+        taken = self.retrying(  # as every operation on the broker, through a lost connection
+            lambda: self._take_waiting(queue, 1, duration, holder, wait, record),
+            what="take_recorded",
+        )
+        if taken is None:  # the dialect has no one-statement take
+            return self.take(queue, 1, timeout, lease=duration, worker=holder, durable=False), None
+        return taken, record.rows if taken else None
+
     def _take_waiting(
-        self, queue: str, top: int, duration: float, holder: str, timeout: float | None
+        self,
+        queue: str,
+        top: int,
+        duration: float,
+        holder: str,
+        timeout: float | None,
+        record: _Record | None = None,
     ) -> list[Lease] | None:
         """:meth:`_take_fast` with WAITFOR: tries again whenever the queue may have got
         messages, until ``timeout``; ``None`` when the dialect cannot."""
@@ -207,7 +251,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                     # (a message can become takeable with no wakeup here: a group another
                     # process held, a NOTIFY lost while LISTEN reconnects), then wait for
                     # the turn.
-                    leases = self._take_fast(queue, top, duration, holder)
+                    leases = self._take_fast(queue, top, duration, holder, record)
                     if leases is None or leases:
                         return leases
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -219,7 +263,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                         continue
                 try:
                     seen = self._wakeups.generation(queue)
-                    leases = self._take_fast(queue, top, duration, holder)
+                    leases = self._take_fast(queue, top, duration, holder, record)
                     if leases is None or leases:
                         return leases
                     if not checked:
@@ -246,9 +290,13 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             if registered:
                 self._set_waiting(queue, -1)
 
-    def _take_fast(self, queue: str, top: int, duration: float, holder: str) -> list[Lease] | None:
+    def _take_fast(
+        self, queue: str, top: int, duration: float, holder: str, record: _Record | None = None
+    ) -> list[Lease] | None:
         """:meth:`take` with ``durable=False`` in one round trip, where the dialect can:
-        the leases, ``[]`` when nothing was there, ``None`` when it cannot."""
+        the leases, ``[]`` when nothing was there, ``None`` when it cannot. With
+        ``record``, its statement follows a take that got leases, in the same round trip
+        (:meth:`take_recorded`)."""
         if not self._store.has("take_fast"):
             return None
         if self._async_engine is None:
@@ -260,17 +308,22 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                         connect_args={"options": "-c synchronous_commit=off"},
                     )
         now = time.time()
+        take = {
+            "queue": queue,
+            "top": top,
+            "worker": holder,
+            "now": now,
+            "expires_at": now + duration,
+        }
         try:
             with connections.connect(self._async_engine) as conn:
-                rows = self._store.rows(
-                    conn,
-                    "take_fast",
-                    queue=queue,
-                    top=top,
-                    worker=holder,
-                    now=now,
-                    expires_at=now + duration,
-                )
+                if record is None:
+                    rows = self._store.rows(conn, "take_fast", **take)
+                else:
+                    then = (record.query, {**record.params, "holder": holder, "taken_at": now})
+                    rows, record.rows = self._store.take_then(conn, ("take_fast", take), then)
+                    if record.rows is None:
+                        log.warning("%s failed after a take on %s", record.query, queue)
         except exceptions.ConnectionLost:
             # In autocommit the take commits as it runs: lost before its reply, its leases
             # may exist. They are this holder's, taken at this instant: find them again
@@ -278,7 +331,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             rows = self.retrying(lambda: self._leases_taken(holder, now), what="take")
             if not rows:
                 raise
-        leases = [poison.lease_from_row(row, holder, duration, now + duration) for row in rows]
+        leases = [poison.lease_from_row(row, holder, duration, now) for row in rows]
         if leases:  # its monitor looks again; the timer thread learns the expiry
             self._after_commit(frozenset({queue}), now + duration)
         return leases
@@ -642,3 +695,14 @@ for _operations in (CatalogOperations, ConversationOperations, PoisonOperations,
         public = not _name.startswith("_") and inspect.isfunction(_operation)
         if public and _name not in vars(Broker):
             setattr(Broker, _name, _rides_through(_operation))
+
+
+class _Record:
+    """A named statement run right after a take that got leases, in its round trip
+    (:meth:`Broker.take_recorded`); ``rows``: what it returned, ``None`` when it did not
+    run or its outcome is unknown."""
+
+    def __init__(self, query: str, params: dict[str, Any]) -> None:
+        self.query = query
+        self.params = params
+        self.rows: list[tuple[Any, ...]] | None = None

@@ -282,6 +282,7 @@ class Lease:
     worker: str
     duration: float
     expires_at: float
+    taken_at: float | None = None  # when its take committed (the one-statement take)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,11 +633,11 @@ class PoisonOperations:
             ]
 
 
-def lease_from_row(row: Sequence[Any], worker: str, duration: float, expires_at: float) -> Lease:
+def lease_from_row(row: Sequence[Any], worker: str, duration: float, taken_at: float) -> Lease:
     """A lease from ``take_fast``'s row: the lease id, then the message's columns."""
     lease_id, *message = row
     columns = dict(zip(MESSAGE_COLUMNS[:-1], message, strict=True))
-    return Lease(str(lease_id), _message(columns), worker, duration, expires_at)
+    return Lease(str(lease_id), _message(columns), worker, duration, taken_at + duration, taken_at)
 
 
 def _lost(lease: Lease) -> exceptions.LeaseLost:

@@ -14,6 +14,8 @@ from sqlalchemy import exc as sa_exc
 
 from scheduler_lib.broker import connections, exceptions, queries
 
+TUPLES_OK = 2  # libpq's PGRES_TUPLES_OK: a statement that returned rows succeeded
+
 Row = Mapping[str, Any]
 
 
@@ -123,6 +125,55 @@ class Store:
         finally:
             for cursor in cursors:
                 cursor.close()
+
+    def take_then(
+        self,
+        conn: sa.Connection,
+        take: tuple[str, Mapping[str, Any]],
+        then: tuple[str, Mapping[str, Any]],
+    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]] | None]:
+        """``take`` then ``then`` in one round trip (PostgreSQL's pipeline mode), on an
+        autocommit connection whose commits do not wait for the WAL flush: ``take``
+        commits as such (the locks it took go at once), then ``then`` runs in a
+        transaction of its own that commits durably — which flushes the take's commit
+        too, the WAL being written in order. The rows of each; ``None`` for ``then``'s
+        when it failed (it wrote nothing; the take stands)."""
+        if not conn.in_transaction():
+            conn.begin()
+        driver = conn.connection.driver_connection
+        took = driver.cursor()  # type: ignore[union-attr]
+        recorded = driver.cursor()  # type: ignore[union-attr]
+        try:
+            try:
+                with driver.pipeline():  # type: ignore[union-attr]
+                    took.execute(self._driver_text(take[0]), take[1])
+                    # Statements up to the pipeline's sync share one transaction unless
+                    # told otherwise: end the take's here, without the flush.
+                    driver.execute("COMMIT")  # type: ignore[union-attr]
+                    driver.execute("BEGIN")  # type: ignore[union-attr]
+                    driver.execute("SET LOCAL synchronous_commit TO on")  # type: ignore[union-attr]
+                    recorded.execute(self._driver_text(then[0]), then[1])
+                    driver.execute("COMMIT")  # type: ignore[union-attr]
+                return list(took.fetchall()), list(recorded.fetchall())
+            except Exception as exc:
+                error = _driver_error(conn, f"{take[0]}+{then[0]}", exc)
+                result = took.pgresult
+                if (
+                    not isinstance(error, exceptions.DatabaseError)
+                    or isinstance(error, exceptions.ConnectionLost)
+                    or result is None
+                    or result.status != TUPLES_OK
+                ):
+                    raise error from exc
+            # The take committed; what follows it was undone: leave its transaction.
+            try:
+                driver.execute("ROLLBACK")  # type: ignore[union-attr]
+            except Exception as exc:
+                raise _driver_error(conn, then[0], exc) from exc
+            return list(took.fetchall()), None
+        finally:
+            took.close()
+            recorded.close()
 
     def _driver_text(self, query: str) -> str:
         sql = self._driver_sql.get(query)

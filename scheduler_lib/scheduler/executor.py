@@ -1,8 +1,9 @@
 """The executor: the target queue's activation procedure (the blog's
 ``ActivationAsyncTarget``).
 
-Each task is taken under a lease in one short statement, then its ``execution_log``
-start (who and when) is committed durably; it runs with no transaction open while the
+Each task is taken under a lease in one short statement, and its ``execution_log``
+start (who and when) is committed durably — on PostgreSQL in the take's round trip; it
+runs with no transaction open while the
 lease is renewed; its end, status, error and result are written in the transaction that
 answers ``AsyncDone`` and completes the lease. Errors are results: a task that raises
 answers ``FAILED`` with the error. A worker that dies mid-task stops renewing its lease;
@@ -141,12 +142,31 @@ class Executor:
         # commits without waiting for the WAL flush, so the group is free for the next
         # reader at once; the durable commit of the task's start flushes it before the
         # task runs (a crash before that puts the message back: nothing ran).
-        leases = self.broker.take(self.queue, timeout=timeout, lease=self.lease, durable=False)
+        recorded: frozenset[str] = frozenset()  # leases whose start the take recorded
+        if self.spark_application is None and self.broker.has_query("log_start_taken"):
+            # PostgreSQL: that start is a second transaction in the take's round trip,
+            # saving one per task (a task it did not start is started below). With a
+            # Spark application the start also names the job group: recorded below.
+            leases, rows = self.broker.take_recorded(
+                self.queue,
+                "log_start_taken",
+                {
+                    "worker": self.worker(),
+                    "activated_task_id": activation.current_reader(),
+                    "end_dialog": END_DIALOG,
+                    "error": ERROR,
+                },
+                timeout=timeout,
+                lease=self.lease,
+            )
+            recorded = frozenset(str(row[0]) for row in rows or ())
+        else:
+            leases = self.broker.take(self.queue, timeout=timeout, lease=self.lease, durable=False)
         if not leases:
             return False
         lease = leases[0]
         try:
-            started = self._start_riding_through(lease)
+            started = self._start_riding_through(lease, lease.lease_id in recorded)
         except DatabaseError:
             # Its start could not be recorded: it goes back to its queue untouched (not
             # a failure), or, with the database still away, its lease expires later.
@@ -157,12 +177,16 @@ class Executor:
             self._run(lease, *started)
         return True
 
-    def _start_riding_through(self, lease: Lease) -> tuple[int, Task, Origin | None] | None:
+    def _start_riding_through(
+        self, lease: Lease, recorded: bool
+    ) -> tuple[int, Task, Origin | None] | None:
         """:meth:`_start`, again while the database is away past the reconnect deadline
         (each call rides through up to it), unless this reader is asked to stop."""
         while True:
             try:
-                return self.broker.retrying(lambda: self._start(lease), what="a task's start")
+                return self.broker.retrying(
+                    lambda: self._start(lease, recorded), what="a task's start"
+                )
             except (DatabaseUnavailable, ConnectionLost) as exc:
                 if activation.stopping():
                     raise
@@ -205,10 +229,11 @@ class Executor:
 
     # --- starting --------------------------------------------------------------------
 
-    def _start(self, lease: Lease) -> tuple[int, Task, Origin | None] | None:
-        """End dialogs, refuse what cannot run, record the start (durably). Returns what
-        to run — this broker's log id, the task, and where it came from when that is
-        another broker — or ``None`` when it was dealt with here."""
+    def _start(self, lease: Lease, recorded: bool) -> tuple[int, Task, Origin | None] | None:
+        """End dialogs, refuse what cannot run, record the start (durably) unless the
+        take ``recorded`` it already. Returns what to run — this broker's log id, the
+        task, and where it came from when that is another broker — or ``None`` when it
+        was dealt with here."""
         message = lease.message
         handle = message.conversation_handle
         if message.message_type_name in (END_DIALOG, ERROR):
@@ -247,6 +272,8 @@ class Executor:
             return None
         if origin is not None:
             log_id = self._copy_row(message, payload, task, origin.log_id)
+        if recorded:
+            return log_id, task, origin
         application, job_group, ui_url = self._spark_at_start(task, log_id)
         if origin is not None:
             origin = Origin(origin.log_id, time.time(), application, job_group)
@@ -259,7 +286,9 @@ class Executor:
             application_id=application,
             job_group=job_group,
             ui_url=ui_url,
-            now=time.time(),
+            # The take's instant where it is known: a start the take's round trip may
+            # have recorded already (its reply lost) is then not counted twice.
+            now=lease.taken_at if lease.taken_at is not None else time.time(),
         )
         if not started and not self.broker.holds(lease):
             # A server crash undid our take (it committed without the WAL flush): the

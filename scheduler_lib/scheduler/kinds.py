@@ -126,6 +126,8 @@ def _nested_deeper(value: Any, limit: int) -> bool:
     (walked level by level, without recursion, and no further than the limit)."""
     containers = [value] if isinstance(value, list | tuple | dict) else []
     for _ in range(limit):
+        if not containers:  # shallower than the limit: done (most tasks, at once)
+            return False
         containers = [
             item
             for c in containers

@@ -77,6 +77,10 @@ class Point:
         take the checked paths
     :param tasks: how many tasks are sent together (``exec_many`` beyond one)
     :param outage: seconds the server stays down (0: a plain restart)
+    :param take_only: at the take's round trip (take + start), only the take runs before
+        the restart: the start recorded in its round trip is lost with the reply
+    :param spark: the executor runs its tasks in a Spark application (named, never
+        started): it records the start by itself, after the take
     :param expire_first: once the server is back, another process's timer thread looks
         for expired leases before the statement runs (the worst order for a lease)
     :param seconds: how long each task runs
@@ -94,6 +98,8 @@ class Point:
     expire_first: bool = False
     seconds: float = TASK_SECONDS
     lease: float = LEASE
+    take_only: bool = False
+    spark: bool = False
 
 
 POINTS = [
@@ -115,18 +121,20 @@ POINTS = [
         id="exec_many-commit-reply-lost",
     ),
     # -- the executor -----------------------------------------------------------------
-    # its take: one statement in autocommit
+    # its take and the task's start in one round trip: the take commits without the WAL
+    # flush, then the start durably (log_start_taken)
     pytest.param(Point("take_fast", "work"), id="take"),
+    # both went through: the start is found recorded, not counted twice
+    pytest.param(Point("take_fast", "work", reply_lost=True), id="take-reply-lost"),
+    # the take went through, its start did not: recorded by log_start
     pytest.param(
-        Point("take_fast", "work", reply_lost=True),
-        id="take-reply-lost",
+        Point("log_start_taken", "work", reply_lost=True, take_only=True),
+        id="take-without-start",
     ),
-    # the start it records (durably) before the task runs: one statement in autocommit
-    pytest.param(Point("log_start", "work"), id="start"),
-    pytest.param(
-        Point("log_start", "work", reply_lost=True),
-        id="start-reply-lost",
-    ),
+    # an executor with a Spark application: the take, then the start (durably) by itself
+    pytest.param(Point("take_fast", "work", spark=True), id="take-spark"),
+    pytest.param(Point("log_start", "work", spark=True), id="start"),
+    pytest.param(Point("log_start", "work", reply_lost=True, spark=True), id="start-reply-lost"),
     # a renewal of the running task's lease, the server away longer than the lease, and
     # another process's timer thread looking for expired leases first thing after it
     pytest.param(
@@ -169,8 +177,9 @@ POINTS = [
 class RestartTrap:
     """Restarts the server the first time, once armed, ``point.query`` is about to run
     through the store (any door: ``execute``, ``execute_many``, ``_on_driver``,
-    ``pipeline``) — or right before the COMMIT (ROLLBACK) of the transaction that ran it.
-    Records what the statement (or the commit) then raised to its caller."""
+    ``pipeline``, ``take_then``) — or right before the COMMIT (ROLLBACK) of the
+    transaction that ran it. Records what the statement (or the commit) then raised to
+    its caller."""
 
     def __init__(
         self,
@@ -243,7 +252,7 @@ class RestartTrap:
         if not self._take():
             return run()
         self.where = f"{door}({'+'.join(names)})"
-        if point.reply_lost and door not in ("_on_driver", "pipeline"):
+        if point.reply_lost and door not in ("_on_driver", "pipeline", "take_then"):
             raise AssertionError(f"a lost reply is modelled on the driver's doors, not {door}")
 
         def lose_reply() -> BaseException:
@@ -276,7 +285,7 @@ class RestartTrap:
     def _patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
         trap = self
         execute, execute_many = Store.execute, Store.execute_many
-        on_driver, pipeline = Store._on_driver, Store.pipeline
+        on_driver, pipeline, take_then = Store._on_driver, Store.pipeline, Store.take_then
         commit, rollback = sa.Connection.commit, sa.Connection.rollback
 
         def patched_execute(self: Store, conn: sa.Connection, query: str, /, **params: Any) -> Any:
@@ -306,6 +315,20 @@ class RestartTrap:
                 "pipeline", conn, names, lambda: pipeline(self, conn, statements)
             )
 
+        def patched_take_then(
+            self: Store,
+            conn: sa.Connection,
+            take: tuple[str, Mapping[str, Any]],
+            then: tuple[str, Mapping[str, Any]],
+        ) -> Any:
+            def run() -> Any:
+                if trap.point.take_only and trap.sprung.is_set() and not trap.settled.is_set():
+                    # the sprung call: the take alone commits (its start is never sent)
+                    return on_driver(self, conn, take[0], take[1])
+                return take_then(self, conn, take, then)
+
+            return trap._statement("take_then", conn, [take[0], then[0]], run)
+
         def patched_commit(self: sa.Connection) -> None:
             trap._ending_call(self, "commit", lambda: commit(self))
 
@@ -316,6 +339,7 @@ class RestartTrap:
         monkeypatch.setattr(Store, "execute_many", patched_execute_many)
         monkeypatch.setattr(Store, "_on_driver", patched_on_driver)
         monkeypatch.setattr(Store, "pipeline", patched_pipeline)
+        monkeypatch.setattr(Store, "take_then", patched_take_then)
         monkeypatch.setattr(sa.Connection, "commit", patched_commit)
         monkeypatch.setattr(sa.Connection, "rollback", patched_rollback)
 
@@ -425,7 +449,10 @@ def test_a_restart_at_this_point_loses_and_duplicates_nothing(
 ) -> None:
     marks_file = str(tmp_path / "marks")
     scheduler = TaskScheduler(caller)
-    executor = Executor(worker, QUEUE, lease=point.lease, idle_timeout=WAIT)
+    spark = ("app-never-started", None) if point.spark else None
+    executor = Executor(
+        worker, QUEUE, lease=point.lease, idle_timeout=WAIT, spark_application=spark
+    )
     handle = scheduler.get_scheduler()
     trap = RestartTrap(private_postgres, point, monkeypatch, expirer=caller)
     expected: dict[int, str] = {}

@@ -32,3 +32,36 @@ FROM unnest(
     CAST(:log_ids AS bigint[]), CAST(:names AS text[]), CAST(:kinds AS text[]),
     CAST(:bodies AS text[])
 ) AS t(log_id, name, kind, body);
+
+-- name: log_start_taken
+-- log_start for the tasks one take made, in the take's round trip (Broker.take_recorded:
+-- a transaction of its own after the take's, committed durably, which flushes the take
+-- too): the start is durable before the task runs, at no round trip of its own. The
+-- leases :holder took at :taken_at; only task messages of this broker's own schedulers
+-- (the row's conversation's initiator is here, and it is no copy of another broker's)
+-- whose target runs their kind. The executor starts every other lease its own way.
+-- MATERIALIZED: the few leases first, then each row by its primary key.
+WITH taken AS MATERIALIZED (
+    SELECT l.lease_id, l.service_name, i.conversation_handle AS scheduler_handle,
+        CAST(convert_from(l.message_body, 'UTF8') AS jsonb) AS body
+    FROM message_leases l
+    JOIN conversation_endpoints t ON t.conversation_handle = l.conversation_handle
+    JOIN conversation_endpoints i ON i.conversation_id = t.conversation_id AND i.is_initiator
+    WHERE l.worker = :holder AND l.taken_at = :taken_at AND l.message_body IS NOT NULL
+    AND l.message_type_name NOT IN (:end_dialog, :error)
+), tasks AS MATERIALIZED (
+    SELECT m.lease_id, m.scheduler_handle,
+        CASE WHEN (m.body ->> 'log_id') ~ '^[0-9]{1,18}$'
+            THEN CAST(m.body ->> 'log_id' AS BIGINT) END AS log_id
+    FROM taken m JOIN scheduler_targets s ON s.service_name = m.service_name
+    WHERE (m.body -> 'task' ->> 'kind') = ANY (string_to_array(s.allowed_kinds, ','))
+)
+UPDATE execution_log e
+SET status = 'RUNNING', start_time = :taken_at, worker_id = :worker,
+    activated_task_id = :activated_task_id, attempts = e.attempts + 1,
+    spark_application_id = NULL, spark_job_group = NULL, spark_ui_url = NULL
+FROM tasks
+WHERE e.log_id = tasks.log_id
+AND e.scheduler_handle = tasks.scheduler_handle AND e.origin_log_id IS NULL
+AND e.status IN ('QUEUED', 'RUNNING')
+RETURNING tasks.lease_id;
