@@ -77,9 +77,10 @@ lint: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python -m bench.peers
 
-## The peers' environment: our package (no extras, pinned by constraints.txt) and the peers at
-## the exact versions of bench/requirements-peers.txt. They are installed without
-## constraints.txt: Celery 5.7 pins python-dateutil 2.9, constraints.txt has Airflow's 4.0.
+## The peers' environment: our package with psycopg's binary wrapper (pinned by
+## constraints.txt) and the peers at the exact versions of bench/requirements-peers.txt.
+## They are installed without constraints.txt: Celery 5.7 pins python-dateutil 2.9,
+## constraints.txt has Airflow's 4.0.
 bench-venv: $(BENCH_STAMP)
 
 $(BENCH_STAMP): pyproject.toml constraints.txt bench/requirements-peers.txt
