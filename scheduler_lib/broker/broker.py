@@ -320,10 +320,13 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                 if record is None:
                     rows = self._store.rows(conn, "take_fast", **take)
                 else:
+                    record.rows = None  # unknown until this round trip's reply
                     then = (record.query, {**record.params, "holder": holder, "taken_at": now})
-                    rows, record.rows = self._store.take_then(conn, ("take_fast", take), then)
-                    if record.rows is None:
-                        log.warning("%s failed after a take on %s", record.query, queue)
+                    rows, recorded = self._store.take_then(conn, ("take_fast", take), then)
+                    if isinstance(recorded, Exception):
+                        log.warning("after a take on %s: %s", queue, recorded)
+                    else:
+                        record.rows = recorded
         except exceptions.ConnectionLost:
             # In autocommit the take commits as it runs: lost before its reply, its leases
             # may exist. They are this holder's, taken at this instant: find them again

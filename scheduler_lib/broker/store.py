@@ -131,13 +131,13 @@ class Store:
         conn: sa.Connection,
         take: tuple[str, Mapping[str, Any]],
         then: tuple[str, Mapping[str, Any]],
-    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]] | None]:
+    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]] | Exception]:
         """``take`` then ``then`` in one round trip (PostgreSQL's pipeline mode), on an
         autocommit connection whose commits do not wait for the WAL flush: ``take``
         commits as such (the locks it took go at once), then ``then`` runs in a
         transaction of its own that commits durably — which flushes the take's commit
-        too, the WAL being written in order. The rows of each; ``None`` for ``then``'s
-        when it failed (it wrote nothing; the take stands)."""
+        too, the WAL being written in order. The rows of each; for ``then``, the error
+        it met instead when it failed (it wrote nothing; the take stands)."""
         if not conn.in_transaction():
             conn.begin()
         driver = conn.connection.driver_connection
@@ -170,7 +170,7 @@ class Store:
                 driver.execute("ROLLBACK")  # type: ignore[union-attr]
             except Exception as exc:
                 raise _driver_error(conn, then[0], exc) from exc
-            return list(took.fetchall()), None
+            return list(took.fetchall()), error
         finally:
             took.close()
             recorded.close()

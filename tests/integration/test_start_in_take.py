@@ -1,0 +1,99 @@
+"""On PostgreSQL an executor records a task's start in its take's round trip
+(``Broker.take_recorded``: the take, then ``log_start_taken`` in a durable transaction of
+its own). A task the statement did not start, or a statement that failed, is started the
+usual way (``log_start``): the task runs once, its row counts one attempt."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from scheduler_lib.broker import Broker
+from scheduler_lib.broker.store import Store
+from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
+
+pytestmark = pytest.mark.postgres
+
+QUEUE = "QueueAsyncTarget"
+
+
+@pytest.fixture
+def broker(postgres_url: str) -> Iterator[Broker]:
+    broker = Broker(postgres_url, timers=False)
+    try:
+        init(broker, targets=[Target(activation=False)])
+        yield broker
+    finally:
+        broker.close()
+
+
+def _statements(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The named statements the broker runs one by one (``broker.run``) from now on."""
+    ran: list[str] = []
+    run = broker.run
+
+    def counting(query: str, /, **params: Any) -> int:
+        ran.append(query)
+        return run(query, **params)
+
+    monkeypatch.setattr(broker, "run", counting)
+    return ran
+
+
+def test_the_start_is_recorded_in_the_take(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = TaskScheduler(broker)
+    handle = scheduler.get_scheduler()
+    log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -3))
+    executor = Executor(broker, QUEUE, idle_timeout=1)
+    ran = _statements(broker, monkeypatch)
+    taken: list[Any] = []
+    take = broker.take_recorded
+
+    def watching(*args: Any, **kwargs: Any) -> Any:
+        leases, rows = take(*args, **kwargs)
+        taken.append((leases, rows))
+        return leases, rows
+
+    monkeypatch.setattr(broker, "take_recorded", watching)
+    # When the executor takes the task
+    assert executor.run_one(timeout=5)
+    # Then the take's statement started it (its lease is in the rows), no log_start ran
+    [(leases, rows)] = taken
+    assert [str(r[0]) for r in rows] == [leases[0].lease_id]
+    assert "log_start" not in ran
+    # And its row says it ran once, started at the take's instant
+    (row,) = broker.fetch("log_get", log_id=log_id)
+    assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "3")
+    assert row["start_time"] == leases[0].taken_at
+    assert row["worker_id"] == executor.worker()
+    assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+
+
+def test_a_failed_start_statement_falls_back_to_log_start(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    scheduler = TaskScheduler(broker)
+    handle = scheduler.get_scheduler()
+    log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -4))
+    executor = Executor(broker, QUEUE, idle_timeout=1)
+    ran = _statements(broker, monkeypatch)
+    # Given the start's statement fails on the server (after the take committed)
+    text = Store._driver_text
+
+    def failing(self: Store, query: str) -> str:
+        return "SELECT 1 / 0" if query == "log_start_taken" else text(self, query)
+
+    monkeypatch.setattr(Store, "_driver_text", failing)
+    # When the executor takes the task
+    with caplog.at_level(logging.WARNING, logger="scheduler_lib.broker.broker"):
+        assert executor.run_one(timeout=5)
+    # Then the failure was logged, the take stood, and log_start started the task
+    assert any("division by zero" in r.getMessage() for r in caplog.records)
+    assert ran.count("log_start") == 1
+    (row,) = broker.fetch("log_get", log_id=log_id)
+    assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "4")
+    assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+    assert broker.leases() == []
