@@ -100,7 +100,10 @@ PACKAGES = (
 QUEUE_SHAPES = {"concurrent": "", "drain": "drain_"}
 SIZES = {  # (full, quick)
     "rounds": (3, 1),
-    "queue_batch_1": (2000, 300),
+    # Workload 1 runs 2 rounds of N=1000 at batch 1: it was 16 of the suite's 23 minutes
+    # at 3 rounds of N=2000 (2026-11-27 05:32), the slowest deployments at 57-75 msg/s.
+    "queue_rounds": (2, 1),
+    "queue_batch_1": (1000, 300),
     "queue_batch_100": (5000, 2000),
     "wave_repeats_per_round": (2, 1),
     "dispatch_samples_per_round": (67, 30),
@@ -142,7 +145,8 @@ def settings_text(cfg: dict[str, Any]) -> str:
         "autocommit connections, `DELETE … WHERE id IN (SELECT … ORDER BY id LIMIT batch "
         "FOR UPDATE SKIP LOCKED) RETURNING body`, waiting for the NOTIFY of the next insert "
         "(a statement trigger) when empty. "
-        f"{cfg['rounds']} round(s); in each the systems' order rotates."
+        f"{cfg['rounds']} round(s) ({cfg['queue_rounds']} for workload 1); in each the "
+        "systems' order rotates."
     )
 
 
@@ -251,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="~2 min smoke run, writes nothing")
     parser.add_argument("--only", help="workloads, comma-separated: queue,waves,dispatch,scale")
     parser.add_argument("--systems", help="systems, comma-separated (default: all)")
-    parser.add_argument("--rounds", type=int, help="rounds (default 3, quick 1)")
+    parser.add_argument(
+        "--rounds", type=int, help="rounds of every workload (default 3, queue 2; quick 1)"
+    )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--retained", type=int, help="workload 4's completed items")
     parser.add_argument("--write-docs", action="store_true", help="write JSON and docs anyway")
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     q = 1 if args.quick else 0
     size = {k: v[q] for k, v in SIZES.items()}
     if args.rounds:
-        size["rounds"] = args.rounds
+        size["rounds"] = size["queue_rounds"] = args.rounds
     if args.retained:
         size["retained"] = args.retained
     only = args.only.split(",") if args.only else list(ALL_SYSTEMS)
@@ -391,7 +397,7 @@ def run_queue(
 
     cases = [(s, shape, b) for s in names for shape in QUEUE_SHAPES for b in (1, 100)]
     results: dict[tuple[str, str, int], list[dict[str, Any]]] = {c: [] for c in cases}
-    for r in range(size["rounds"]):
+    for r in range(size["queue_rounds"]):
         for system, shape, batch in rotated(cases, r * 3):
             key = QUEUE_SHAPES[shape] + f"batch_{batch}"
             label = f"queue/{system}/{key}/round_{r + 1}"
