@@ -50,3 +50,33 @@ def test_versus_says_ahead_or_behind_by_how_much() -> None:
     assert report.versus(150.0, 100.0, True)[0] == "ahead by 50%"
     assert report.versus(50.0, 100.0, True)[0] == "behind by 2.00x (the peer is 2.00x better)"
     assert report.versus(5.0, 10.0, False)[0] == "ahead by 100%"
+
+
+def _dispatch(p50: float, p99: float) -> dict[str, float]:
+    return {"samples": 1, "p50_ms": p50, "p90_ms": p50, "p99_ms": p99, "max_ms": p99}
+
+
+def test_the_dispatch_goal_is_met_only_below_celery_and_every_postgresql_peer() -> None:
+    peers = {"celery": _dispatch(4.0, 8.0), "pgqueuer": _dispatch(6.0, 15.0)}
+    # ours at Celery's p50 and p99, below pgqueuer's: met
+    met = report.dispatch_table({"systems": {"ours": _dispatch(4.0, 8.0), **peers}})
+    assert met[-1].endswith("**met**.")
+    # ours below Celery's p50 but over its p99: missed
+    missed = report.dispatch_table({"systems": {"ours": _dispatch(3.0, 9.0), **peers}})
+    assert missed[-1].endswith("**missed**.")
+
+
+def _spread(median: float) -> dict[str, float]:
+    return {"median": median, "min": median, "max": median}
+
+
+def test_the_waves_goal_is_a_makespan_at_most_08_of_the_best_peers() -> None:
+    def table(ours: float) -> list[str]:
+        systems = {
+            s: {"makespan_s": _spread(v), "sync_overhead_ms": _spread(1.0)}
+            for s, v in (("ours", ours), ("celery", 1.0), ("procrastinate", 1.2))
+        }
+        return report.waves_table({"systems": systems})
+
+    assert table(0.8)[-1].endswith("0.80 x: **met**.")
+    assert table(0.81)[-1].endswith("0.81 x: **missed**.")
