@@ -3,12 +3,12 @@
 
 Each task is taken under a lease in one short statement, and its ``execution_log``
 start (who and when) is committed durably — on PostgreSQL in the take's round trip; it
-runs with no transaction open while the
-lease is renewed; its end, status, error and result are written in the transaction that
-answers ``AsyncDone`` and completes the lease. Errors are results: a task that raises
-answers ``FAILED`` with the error. A worker that dies mid-task stops renewing its lease;
-the queue's poison policy (set by ``init``) runs it again or fails it, and
-:func:`report_lost_task` tells the caller — nobody waits for ever.
+runs with no transaction open while the lease is renewed; its end, status, error and
+result are written in the transaction that answers ``AsyncDone`` and completes the
+lease. Errors are results: a task that raises answers ``FAILED`` with the error. A worker
+that dies mid-task stops renewing its lease; the queue's poison policy (set by ``init``)
+runs it again or fails it, and :func:`report_lost_task` tells the caller — nobody waits
+for ever.
 """
 
 from __future__ import annotations
