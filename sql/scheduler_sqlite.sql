@@ -119,3 +119,9 @@ UPDATE execution_log SET wave = wave + 1 WHERE wave IS NOT NULL;
 
 UPDATE scheduler_alembic_version SET version_num='s0005' WHERE scheduler_alembic_version.version_num = 's0004';
 
+-- Running upgrade s0005 -> s0006
+
+ALTER TABLE scheduler_targets ADD COLUMN durable_start BOOLEAN DEFAULT 1 NOT NULL;
+
+UPDATE scheduler_alembic_version SET version_num='s0006' WHERE scheduler_alembic_version.version_num = 's0005';
+

@@ -195,6 +195,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         timeout: float | None = None,
         lease: float = poison.DEFAULT_LEASE,
         worker: str | None = None,
+        durable: bool = True,
     ) -> tuple[list[Lease], list[tuple[Any, ...]] | None]:
         """:meth:`take` of one message with ``durable=False``, and in the same round trip
         the named statement ``query`` (of :meth:`use_queries`) in a transaction of its
@@ -203,6 +204,9 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         finds the leases as ``message_leases`` rows of ``worker = :holder`` and
         ``taken_at = :taken_at`` (both bound here, besides ``params``).
 
+        :param durable: ``False``: the statement's transaction commits without waiting
+            for the WAL flush too (what it records may be lost with the take in a
+            database crash, the message then going back to its queue)
         :return: the leases and the statement's rows — ``None`` when it did not run or
             its outcome is unknown (another dialect, a failure, a lost reply): record
             each lease the usual way then (the statement must be idempotent)
@@ -213,7 +217,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         holder = worker or poison.worker_name()
         if not self._store.has(query):
             return self.take(queue, 1, timeout, lease=duration, worker=holder, durable=False), None
-        record = _Record(query, params)
+        record = _Record(query, params, durable)
         wait = checks.timeout(timeout)
         taken = self.retrying(  # as every operation on the broker, through a lost connection
             lambda: self._take_waiting(queue, 1, duration, holder, wait, record),
@@ -322,7 +326,9 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                 else:
                     record.rows = None  # unknown until this round trip's reply
                     then = (record.query, {**record.params, "holder": holder, "taken_at": now})
-                    rows, recorded = self._store.take_then(conn, ("take_fast", take), then)
+                    rows, recorded = self._store.take_then(
+                        conn, ("take_fast", take), then, durable=record.durable
+                    )
                     if isinstance(recorded, Exception):
                         log.warning("after a take on %s: %s", queue, recorded)
                     else:
@@ -703,9 +709,10 @@ for _operations in (CatalogOperations, ConversationOperations, PoisonOperations,
 class _Record:
     """A named statement run right after a take that got leases, in its round trip
     (:meth:`Broker.take_recorded`); ``rows``: what it returned, ``None`` when it did not
-    run or its outcome is unknown."""
+    run or its outcome is unknown; ``durable``: whether its commit waits for the flush."""
 
-    def __init__(self, query: str, params: dict[str, Any]) -> None:
+    def __init__(self, query: str, params: dict[str, Any], durable: bool = True) -> None:
         self.query = query
         self.params = params
+        self.durable = durable
         self.rows: list[tuple[Any, ...]] | None = None

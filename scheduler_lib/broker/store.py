@@ -131,13 +131,16 @@ class Store:
         conn: sa.Connection,
         take: tuple[str, Mapping[str, Any]],
         then: tuple[str, Mapping[str, Any]],
+        *,
+        durable: bool = True,
     ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]] | Exception]:
         """``take`` then ``then`` in one round trip (PostgreSQL's pipeline mode), on an
         autocommit connection whose commits do not wait for the WAL flush: ``take``
         commits as such (the locks it took go at once), then ``then`` runs in a
         transaction of its own that commits durably — which flushes the take's commit
-        too, the WAL being written in order. The rows of each; for ``then``, the error
-        it met instead when it failed (it wrote nothing; the take stands)."""
+        too, the WAL being written in order (``durable=False``: it does not wait for
+        the flush either). The rows of each; for ``then``, the error it met instead when
+        it failed (it wrote nothing; the take stands)."""
         if not conn.in_transaction():
             conn.begin()
         driver = conn.connection.driver_connection
@@ -151,7 +154,8 @@ class Store:
                     # told otherwise: end the take's here, without the flush.
                     driver.execute("COMMIT")  # type: ignore[union-attr]
                     driver.execute("BEGIN")  # type: ignore[union-attr]
-                    driver.execute("SET LOCAL synchronous_commit TO on")  # type: ignore[union-attr]
+                    if durable:
+                        driver.execute("SET LOCAL synchronous_commit TO on")  # type: ignore[union-attr]
                     recorded.execute(self._driver_text(then[0]), then[1])
                     driver.execute("COMMIT")  # type: ignore[union-attr]
                 return list(took.fetchall()), list(recorded.fetchall())

@@ -53,6 +53,12 @@ class Target:
     :param retries: how often a task whose worker died silently is run again before it
         fails (its caller is told either way)
     :param activation: start executors on demand (off: run them yourself)
+    :param durable_start: a task's start reaches the disk before the task runs (the
+        default: a database crash never runs a task twice). ``False`` for tasks whose
+        effects are idempotent: on PostgreSQL the task runs without waiting for that
+        flush, and a database server crash while it runs may run it again. Its end,
+        and the caller's answer, stay durable either way (docs/scheduler.md, "Durable
+        or lazy start")
     :param address: ``tcp://host:port`` of the broker that hosts this target service,
         when it is not this one: ``init`` then makes a route to it instead of its queue
         and service (the other broker runs ``init`` with the target, and both run a
@@ -67,6 +73,7 @@ class Target:
     activation: bool = True
     procedure: str = EXECUTOR
     address: str | None = None
+    durable_start: bool = True
 
 
 def prepare(broker: Broker, *, migrate: bool = True) -> None:
@@ -134,6 +141,11 @@ def init(
             raise InvalidArgument(
                 f"target {target.service!r}: retries must be an integer >= 0, "
                 f"got {target.retries!r}"
+            )
+        if not isinstance(target.durable_start, bool):
+            raise InvalidArgument(
+                f"target {target.service!r}: durable_start must be True or False, "
+                f"got {target.durable_start!r}"
             )
     prepare(broker)
     types = broker.message_types()
@@ -220,6 +232,7 @@ def _write_target(broker: Broker, target: Target, queue: str) -> None:
                     service=target.service,
                     queue=queue,
                     kinds=",".join(dict.fromkeys(target.kinds)),
+                    durable_start=target.durable_start,
                     now=time.time(),
                 )
             return

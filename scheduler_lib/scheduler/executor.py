@@ -104,7 +104,8 @@ class Executor:
         self.worker = worker or worker_id
         self.spark_application = spark_application
         self._cancels = CancelWatcher.of(broker)
-        self._targets: tuple[float, dict[str, frozenset[str]]] | None = None
+        # (when read, service -> kinds it runs, queues whose starts need not be durable)
+        self._targets: tuple[float, dict[str, frozenset[str]], frozenset[str]] | None = None
         self._remote: dict[str, bool] = {}  # conversation handle -> from another broker
 
     def serve(self, stop: threading.Event | None = None) -> int:
@@ -158,6 +159,7 @@ class Executor:
                 },
                 timeout=timeout,
                 lease=self.lease,
+                durable=self._durable_start(),
             )
             recorded = frozenset(str(row[0]) for row in rows or ())
         else:
@@ -315,16 +317,29 @@ class Executor:
         application, ui_url = self.spark_application
         return application, group, ui_url
 
-    def _allowed(self, service: str) -> frozenset[str]:
+    def _target_settings(
+        self,
+    ) -> tuple[float, dict[str, frozenset[str]], frozenset[str]]:
         now = time.monotonic()
         if self._targets is None or now - self._targets[0] > TARGETS_REFRESH:
             with self.broker.transaction() as tx:
                 rows = tx.fetch("target_list")
+            durable = {r["queue_name"] for r in rows if r["durable_start"]}
             self._targets = (
                 now,
                 {r["service_name"]: frozenset(r["allowed_kinds"].split(",")) for r in rows},
+                # A queue shared by targets starts lazily only if every one of them says so.
+                frozenset({r["queue_name"] for r in rows} - durable),
             )
-        allowed = self._targets[1].get(service)
+        return self._targets
+
+    def _durable_start(self) -> bool:
+        """Whether this queue's tasks wait for their start to reach the disk
+        (``Target.durable_start``)."""
+        return self.queue not in self._target_settings()[2]
+
+    def _allowed(self, service: str) -> frozenset[str]:
+        allowed = self._target_settings()[1].get(service)
         if allowed is None:
             raise InvalidTask(
                 f"service {service!r} is not a scheduler target",

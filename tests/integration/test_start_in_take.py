@@ -97,3 +97,48 @@ def test_a_failed_start_statement_falls_back_to_log_start(
     assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "4")
     assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
     assert broker.leases() == []
+
+
+def _commands(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The statements run from now on by ``execute`` on any psycopg connection (how
+    ``take_then`` sends its transaction control in the pipeline)."""
+    import psycopg
+
+    sent: list[str] = []
+    execute = psycopg.Connection.execute
+
+    def recording(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(str(query))
+        return execute(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "execute", recording)
+    return sent
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["durable-start", "lazy-start"])
+def test_a_target_says_whether_the_start_waits_for_the_flush(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
+    # Given a target whose tasks' effects are idempotent (durable_start=False), or not
+    with Broker(postgres_url, timers=False) as broker:
+        init(broker, targets=[Target(activation=False, durable_start=durable)])
+        scheduler = TaskScheduler(broker)
+        handle = scheduler.get_scheduler()
+        log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -5))
+        executor = Executor(broker, QUEUE, idle_timeout=1)
+        sent = _commands(monkeypatch)
+        # When the executor takes the task
+        assert executor.run_one(timeout=5)
+        # Then the start's transaction waited for the flush only on the durable target
+        assert ("SET LOCAL synchronous_commit TO on" in sent) is durable
+        # And either way the take's statement started it, once, and it ran
+        (row,) = broker.fetch("log_get", log_id=log_id)
+        assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "5")
+        assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+
+
+def test_durable_start_must_be_a_bool(broker: Broker) -> None:
+    from scheduler_lib.broker import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="durable_start must be True or False, got 'no'"):
+        init(broker, targets=[Target(activation=False, durable_start="no")])  # type: ignore[arg-type]

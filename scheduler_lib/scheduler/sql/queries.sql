@@ -15,8 +15,9 @@ DELETE FROM scheduler_targets WHERE service_name = :service;
 
 -- name: target_insert
 -- A target service's settings.
-INSERT INTO scheduler_targets (service_name, queue_name, allowed_kinds, updated_at)
-VALUES (:service, :queue, :kinds, :now);
+INSERT INTO scheduler_targets (
+    service_name, queue_name, allowed_kinds, durable_start, updated_at
+) VALUES (:service, :queue, :kinds, :durable_start, :now);
 
 -- name: log_insert
 -- ExecAsync: the task's row, written in the transaction that sends it.
