@@ -57,6 +57,7 @@ IMG = REPO / "docs" / "img"
 # Workloads 2 and 3 (tasks run by workers): every deployment of every task system.
 TASK_SYSTEMS = [
     "ours",
+    "ours_lazy",  # Target(durable_start=False): for tasks whose effects are idempotent
     "celery",
     "celery_p4",
     "pgqueuer",
@@ -125,7 +126,10 @@ def settings_text(cfg: dict[str, Any]) -> str:
         "idle_timeout=3600).serve` (workloads 2-4) or a consumer looping over "
         "`with broker.transaction() as tx: tx.receive(queue, top=batch)` (workload 1, the "
         f"producer `broker.send` / `send_many` round robin over {systems.CONVERSATIONS} "
-        "conversations). **procrastinate**: one worker, `concurrency="
+        "conversations); in workloads 2 and 3 also with the target's `durable_start=False` "
+        "(`ours_lazy`: for tasks whose effects are idempotent, a task runs without waiting "
+        'for its start\'s WAL flush; docs/scheduler.md, "Durable or lazy start"). '
+        "**procrastinate**: one worker, `concurrency="
         f"{cfg['workers']}`, async no-op task, LISTEN/NOTIFY on, jobs kept (its default), "
         "psycopg pool of up to 10; it dequeues one job per fetch (no batch dequeue), so batch "
         f"100 batches only the enqueue (`batch_defer_async`); callers poll job status every "
@@ -178,7 +182,8 @@ DESIGNS = {
     "dispatch": (
         "{samples} samples per system (after 10 warm-up tasks per round), a random 20-40 ms "
         "pause before each so the workers are idle in their wait; latency = handler start "
-        "(`time.time()` inside the handler, ours too: after the start's durable commit) - "
+        "(`time.time()` inside the handler, ours too: after the start's durable commit, or "
+        "after its commit without the flush with lazy start) - "
         "the instant before the enqueue call, same machine clock. Each task is waited for "
         "(the system's own way) before the next."
     ),

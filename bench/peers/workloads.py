@@ -379,12 +379,26 @@ def waves_run(
     return out
 
 
-def waves_ours(waves: int, size: int, repeats: int, ctx: dict[str, Any]) -> list[Any]:
+def lazy_start(url: str) -> None:
+    """Our target as one whose tasks' effects are idempotent: ``durable_start=False``
+    (docs/scheduler.md, "Durable or lazy start"); ``ours_lazy`` in the tables."""
+    from scheduler_lib.broker import Broker
+    from scheduler_lib.scheduler import Target, init
+
+    with Broker(url, migrate=False, timers=False) as broker:
+        init(broker, targets=[Target(activation=False, durable_start=False)])
+
+
+def waves_ours(
+    waves: int, size: int, repeats: int, ctx: dict[str, Any], durable: bool = True
+) -> list[Any]:
     from scheduler_lib.broker import Broker
     from scheduler_lib.scheduler import TaskScheduler
 
     makespans = []
     with fresh_db("ours") as url:
+        if not durable:
+            lazy_start(url)
         worker = WorkerProcess.peer("ours", url, "tasks", concurrency=ctx["workers"])
         try:
             with Broker(url, migrate=False) as broker:
@@ -538,6 +552,7 @@ def tasks_by_run(
 
 WAVES = {
     "ours": waves_ours,
+    "ours_lazy": lambda w, s, r, ctx: waves_ours(w, s, r, ctx, durable=False),
     "celery": lambda w, s, r, ctx: waves_celery(w, s, r, celery_ctx("celery", ctx)),
     "celery_p4": lambda w, s, r, ctx: waves_celery(w, s, r, celery_ctx("celery_p4", ctx)),
     "procrastinate": waves_procrastinate,
@@ -559,8 +574,10 @@ def dispatch_run(system: str, samples: int, ctx: dict[str, Any]) -> list[float]:
 WARM_DISPATCH = 10
 
 
-def dispatch_ours(samples: int, ctx: dict[str, Any]) -> list[float]:
+def dispatch_ours(samples: int, ctx: dict[str, Any], durable: bool = True) -> list[float]:
     with fresh_db("ours") as url:
+        if not durable:
+            lazy_start(url)
         worker = WorkerProcess.peer("ours", url, "tasks", concurrency=ctx["workers"])
         try:
             sent = ours_dispatch_calls(url, samples)
@@ -697,6 +714,7 @@ def latencies(records: list[Any], called: dict[str, float], system: str) -> list
 
 DISPATCH = {
     "ours": dispatch_ours,
+    "ours_lazy": lambda n, ctx: dispatch_ours(n, ctx, durable=False),
     "celery": lambda n, ctx: dispatch_celery(n, celery_ctx("celery", ctx)),
     "celery_p4": lambda n, ctx: dispatch_celery(n, celery_ctx("celery_p4", ctx)),
     "procrastinate": dispatch_procrastinate,
