@@ -322,8 +322,13 @@ class Executor:
     ) -> tuple[float, dict[str, frozenset[str]], frozenset[str]]:
         now = time.monotonic()
         if self._targets is None or now - self._targets[0] > TARGETS_REFRESH:
-            with self.broker.transaction() as tx:
-                rows = tx.fetch("target_list")
+
+            def read() -> list[Any]:
+                with self.broker.transaction() as tx:
+                    return tx.fetch("target_list")
+
+            # Read before a take too: through a lost connection, as the take itself
+            rows = self.broker.retrying(read, what="the targets' settings")
             durable = {r["queue_name"] for r in rows if r["durable_start"]}
             self._targets = (
                 now,

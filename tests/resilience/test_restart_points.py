@@ -320,12 +320,13 @@ class RestartTrap:
             conn: sa.Connection,
             take: tuple[str, Mapping[str, Any]],
             then: tuple[str, Mapping[str, Any]],
+            **options: Any,
         ) -> Any:
             def run() -> Any:
                 if trap.point.take_only and trap.sprung.is_set() and not trap.settled.is_set():
                     # the sprung call: the take alone commits (its start is never sent)
                     return on_driver(self, conn, take[0], take[1])
-                return take_then(self, conn, take, then)
+                return take_then(self, conn, take, then, **options)
 
             return trap._statement("take_then", conn, [take[0], then[0]], run)
 
