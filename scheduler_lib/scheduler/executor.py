@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from scheduler_lib.broker import (
     END_DIALOG,
@@ -56,6 +56,14 @@ ERROR_LIMIT = 8000  # characters of a task's error kept
 RESULT_LIMIT = 64 * 1024  # characters of a task's result kept
 
 SUCCEEDED, FAILED, CANCELLED = "SUCCEEDED", "FAILED", "CANCELLED"
+
+
+class _Targets(NamedTuple):
+    """The targets' settings an executor trusts for ``TARGETS_REFRESH`` seconds."""
+
+    read_at: float  # time.monotonic()
+    kinds: dict[str, frozenset[str]]  # service -> the task kinds it runs
+    lazy_queues: frozenset[str]  # queues whose tasks start without the flush
 
 
 def serve(broker: Broker, queue: str) -> None:
@@ -104,8 +112,7 @@ class Executor:
         self.worker = worker or worker_id
         self.spark_application = spark_application
         self._cancels = CancelWatcher.of(broker)
-        # (when read, service -> kinds it runs, queues whose starts need not be durable)
-        self._targets: tuple[float, dict[str, frozenset[str]], frozenset[str]] | None = None
+        self._targets: _Targets | None = None
         self._remote: dict[str, bool] = {}  # conversation handle -> from another broker
 
     def serve(self, stop: threading.Event | None = None) -> int:
@@ -317,11 +324,9 @@ class Executor:
         application, ui_url = self.spark_application
         return application, group, ui_url
 
-    def _target_settings(
-        self,
-    ) -> tuple[float, dict[str, frozenset[str]], frozenset[str]]:
+    def _target_settings(self) -> _Targets:
         now = time.monotonic()
-        if self._targets is None or now - self._targets[0] > TARGETS_REFRESH:
+        if self._targets is None or now - self._targets.read_at > TARGETS_REFRESH:
 
             def read() -> list[Any]:
                 with self.broker.transaction() as tx:
@@ -330,7 +335,7 @@ class Executor:
             # Read before a take too: through a lost connection, as the take itself
             rows = self.broker.retrying(read, what="the targets' settings")
             durable = {r["queue_name"] for r in rows if r["durable_start"]}
-            self._targets = (
+            self._targets = _Targets(
                 now,
                 {r["service_name"]: frozenset(r["allowed_kinds"].split(",")) for r in rows},
                 # A queue shared by targets starts lazily only if every one of them says so.
@@ -340,11 +345,12 @@ class Executor:
 
     def _durable_start(self) -> bool:
         """Whether this queue's tasks wait for their start to reach the disk
-        (``Target.durable_start``)."""
-        return self.queue not in self._target_settings()[2]
+        (``Target.durable_start``). Read once, then refreshed with the allowed kinds
+        when tasks come (:meth:`_allowed`): an idle reader's takes cost no extra read."""
+        return self.queue not in (self._targets or self._target_settings()).lazy_queues
 
     def _allowed(self, service: str) -> frozenset[str]:
-        allowed = self._target_settings()[1].get(service)
+        allowed = self._target_settings().kinds.get(service)
         if allowed is None:
             raise InvalidTask(
                 f"service {service!r} is not a scheduler target",
