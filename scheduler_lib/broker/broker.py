@@ -348,7 +348,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
     def _leases_taken(self, holder: str, now: float) -> list[tuple[Any, ...]]:
         with connections.connect(self._engine) as conn:
             rows = self._store.rows(conn, "leases_taken", worker=holder, now=now)
-            conn.rollback()
+            conn.commit()  # it only read; a ROLLBACK would drop the prepared statements
         return rows
 
     def arrivals(self, queue: str) -> int:
@@ -550,13 +550,16 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
 
     def _set_waiting(
         self, queue: str, delta: int, ready_timeout: float = LISTEN_READY_TIMEOUT
-    ) -> None:
+    ) -> bool:
         """Register a PostgreSQL receiver as waiting (senders then NOTIFY).
 
         The process registers once per queue, on its first waiter, and keeps the
         registration ``WAITER_LINGER`` seconds after its last waiter left: a reader that
         waits again and again (an executor, ``synchronization``) then costs no
         bookkeeping transactions. A registration nobody uses costs extra NOTIFYs only.
+
+        :return: whether the process registered just now: a message sent before then
+            sent no NOTIFY, so a look made before it must be made again
         """
         assert self._listener is not None
         if delta > 0:
@@ -567,12 +570,12 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             if delta > 0:
                 self._waiters_idle_since.pop(queue, None)
                 if queue in self._registered:
-                    return
+                    return False
                 self._registered.add(queue)
             else:
                 if count <= 0:  # the timer thread unregisters it once the linger is over
                     self._waiters_idle_since[queue] = time.monotonic()
-                return
+                return False
         try:
             self._register_waiter(queue, +1)
         except BaseException:
@@ -580,6 +583,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                 self._registered.discard(queue)
                 self._waiters[queue] = max(self._waiters.get(queue, 1) - 1, 0)
             raise
+        return True
 
     def _register_waiter(self, queue: str, delta: int) -> None:
         name = "queue_add_waiter" if delta > 0 else "queue_remove_waiter"
@@ -638,7 +642,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                     pass
                 with connections.connect(self._engine) as conn:
                     deadline = self._store.scalar(conn, "next_deadline")
-                    conn.rollback()
+                    conn.commit()  # it only read; a ROLLBACK would drop the prepared statements
                 self.availability.mark_ok()
             except (exceptions.ConnectionLost, exceptions.DatabaseUnavailable) as exc:
                 # This thread looks every second: it notices an outage (and its end) for

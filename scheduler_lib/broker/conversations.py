@@ -261,8 +261,10 @@ class ConversationOperations:
             raise exceptions.InvalidArgument("give conversation or group, not both")
         handle = None if conversation is None else checks.handle(conversation)
         group_id = None if group is None else checks.handle(group, "conversation group id")
+        looked = None
         if group_id is None:
             with self._single_statement() as tx:
+                seen = tx._broker._wakeups.generation(queue)
                 try:
                     found = tx._receive_fast(queue, top, handle)
                 except exceptions.ConnectionLost as exc:
@@ -274,6 +276,8 @@ class ConversationOperations:
                 if found:
                     tx._received_queues.add(queue)
                     return found
+                if tx._store.has("receive_fast"):  # that look ran: the wait need not repeat it
+                    looked = seen
         with self._operation() as tx:
             return tx._wait_for(
                 queue,
@@ -281,6 +285,9 @@ class ConversationOperations:
                 lambda: tx._receive_once(queue, top, handle, group_id),
                 [],
                 unfiltered=handle is None and group_id is None,
+                looked=None
+                if looked is None
+                else (looked, lambda: tx._receive_once(queue, top, handle, None, fast_looked=True)),
             )
 
     def get_conversation_group(self, queue: str, timeout: float | None = None) -> uuid.UUID | None:

@@ -229,17 +229,21 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         return self._connection
 
     def _release_while_idle(self) -> None:
-        """End the database transaction if it did nothing yet (so waiting holds no lock)."""
+        """End the database transaction if it did nothing yet (so waiting holds no lock).
+
+        By COMMIT, which ends a transaction that wrote nothing just as ROLLBACK would:
+        psycopg forgets every prepared statement of the connection at a ROLLBACK
+        (DEALLOCATE ALL), so the statements after each empty look were planned anew."""
         conn = self._connection
         if not self._wrote and conn is not None and conn.in_transaction():
             try:
-                conn.rollback()
+                conn.commit()
             except sa.exc.DBAPIError as exc:
                 if not connections.is_lost(exc):
-                    raise exceptions.DatabaseError(f"rollback: {exc.orig}") from exc
+                    raise exceptions.DatabaseError(f"commit: {exc.orig}") from exc
                 connections.invalidate(conn, exc)
                 # It had done nothing: nothing went with it, and the operation can run again
-                raise connections.lost("rollback", exc) from exc
+                raise connections.lost("commit", exc) from exc
             self._leave_gate()
 
     def _enter_gate(self) -> None:
@@ -737,9 +741,18 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
     # --- receiving -------------------------------------------------------------------
 
     def _receive_once(
-        self, queue: str, top: int, handle: str | None, group_id: str | None
+        self,
+        queue: str,
+        top: int,
+        handle: str | None,
+        group_id: str | None,
+        *,
+        fast_looked: bool = False,
     ) -> list[Message]:
-        if handle is None and group_id is None:
+        """One look; ``fast_looked``: the caller has just made the one-statement look."""
+        if fast_looked:
+            pass
+        elif handle is None and group_id is None:
             found = self._receive_fast(queue, top)
             if found:
                 return found
@@ -843,18 +856,28 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         empty: T,
         *,
         unfiltered: bool = True,
+        looked: tuple[int, Callable[[], T]] | None = None,
     ) -> T:
-        """Run ``attempt`` until it finds something or ``timeout`` passes (WAITFOR)."""
+        """Run ``attempt`` until it finds something or ``timeout`` passes (WAITFOR).
+
+        :param looked: the caller has just looked (one statement) and found nothing: the
+            wakeup generation it read before that look, and the rest of a first attempt
+            after it — so an empty RECEIVE costs one look, not two
+        """
         broker = self._broker
         deadline = None if timeout is None else time.monotonic() + timeout
         waiter_registered = False
         try:
             while True:
-                seen = broker._wakeups.generation(queue)
                 noted = None
-                if unfiltered and not self._in_gate:
-                    noted = broker._note_blocked_receiver(queue)
-                found = attempt()
+                if looked is not None:
+                    (seen, rest), looked = looked, None
+                    found = rest()
+                else:
+                    seen = broker._wakeups.generation(queue)
+                    if unfiltered and not self._in_gate:
+                        noted = broker._note_blocked_receiver(queue)
+                    found = attempt()
                 if found:
                     group = _group_of(found)
                     # SQLite: a receiver that queued for the write lock and then got the
@@ -876,11 +899,11 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                     return empty
                 broker._watch_sqlite()
                 if broker._listener is not None and not waiter_registered:
-                    # Senders NOTIFY only while somebody is registered; look once more
-                    # after registering so a message sent meanwhile is not missed.
-                    broker._set_waiting(queue, +1)
                     waiter_registered = True
-                    continue
+                    if broker._set_waiting(queue, +1):
+                        # Senders NOTIFY only while somebody is registered: look once more
+                        # after registering, so a message sent meanwhile is not missed.
+                        continue
                 poll = (
                     wakeup.POSTGRESQL_POLL_INTERVAL
                     if broker._listener is not None
