@@ -98,7 +98,12 @@ class Wakeups:
 
 
 class PostgresListener:
-    """A daemon thread that LISTENs on the broker channel and feeds :class:`Wakeups`."""
+    """A daemon thread that LISTENs on the broker channel and feeds :class:`Wakeups`.
+
+    It starts with the first waiter (:meth:`wait_ready`): a process that only sends
+    (a producer, ``exec_async`` callers that do not wait) keeps no LISTEN connection,
+    whose backend PostgreSQL would signal at every NOTIFY of the database, and no
+    thread woken by each of them."""
 
     def __init__(self, engine: sa.Engine, wakeups: Wakeups) -> None:
         self._engine = engine
@@ -106,15 +111,22 @@ class PostgresListener:
         self._stopped = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="broker-listen", daemon=True)
-        self._thread.start()
+        self._start_lock = threading.Lock()
 
     def wait_ready(self, timeout: float) -> bool:
-        """Whether LISTEN is in place (so a NOTIFY sent from now on is seen)."""
+        """Whether LISTEN is in place (so a NOTIFY sent from now on is seen); the first
+        call starts the listener."""
+        if not self._thread.is_alive() and not self._stopped.is_set():
+            with self._start_lock:
+                if self._thread.ident is None:
+                    self._thread.start()
         return self._ready.wait(timeout)
 
     def stop(self) -> None:
         self._stopped.set()
-        self._thread.join(timeout=5)
+        with self._start_lock:
+            if self._thread.ident is not None:
+                self._thread.join(timeout=5)
 
     def _run(self) -> None:
         import psycopg  # the PostgreSQL driver; only imported on that backend

@@ -1,6 +1,7 @@
-"""What an empty RECEIVE costs on PostgreSQL: one look before it waits, and a connection
-that keeps its prepared statements (psycopg drops them all at every ROLLBACK, so a
-waiting reader whose idle transaction ended that way planned its statements anew)."""
+"""What waiting for messages costs on PostgreSQL: an empty RECEIVE looks once before it
+waits; its connection keeps its prepared statements (psycopg drops them all at every
+ROLLBACK, so a waiting reader whose idle transaction ended that way planned its statements
+anew); and only a process that waits LISTENs."""
 
 from __future__ import annotations
 
@@ -64,3 +65,30 @@ def test_a_waiting_receive_keeps_the_prepared_statements(broker: Broker) -> None
             "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE '%%queue_messages%%'"
         )
         assert prepared.scalar() >= 1
+
+
+def _listening(broker: Broker) -> int:
+    """The sessions of the broker's database that LISTEN (their last statement)."""
+    with broker.transaction() as tx:
+        rows = tx._conn().exec_driver_sql(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND query LIKE 'LISTEN %%'"
+        )
+        return int(rows.scalar())
+
+
+def test_a_process_that_only_sends_does_not_listen(broker: Broker) -> None:
+    broker.create_message_type("Note")
+    broker.create_contract("Notes", {"Note": "INITIATOR"})
+    broker.create_service("From", QUEUE)
+    broker.create_service("To", QUEUE, ["Notes"])
+    handle = broker.begin_dialog("From", "To", "Notes")
+    # When the process sends, and RECEIVEs without waiting
+    for _ in range(3):
+        broker.send(handle, "Note", b"x")
+    assert len(broker.receive(QUEUE, top=3, timeout=0)) == 3
+    # Then no session of it LISTENs (PostgreSQL would signal it at every NOTIFY)
+    assert _listening(broker) == 0
+    # And a RECEIVE that waits starts listening, so that a sender's NOTIFY wakes it
+    assert broker.receive(QUEUE, timeout=0.05) == []
+    assert _listening(broker) == 1
