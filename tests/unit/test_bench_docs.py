@@ -91,3 +91,10 @@ def test_lazy_start_is_ours_not_a_peer_and_gets_its_own_verdict() -> None:
     assert [g.rsplit(": ", 1)[1] for g in goals] == ["**missed**.", "**met**."]
     assert not any("vs the best peer (scheduler_lib" in line for line in lines)
     assert any(line.startswith("- p50: ours with lazy start ahead") for line in lines)
+
+
+def test_a_share_just_below_the_queue_goal_is_not_shown_as_the_goal() -> None:
+    # 731 / 1220 is 0.599: "0.60" beside a missed goal would read as met
+    assert report.share_text(731 / 1220) == "0.599"
+    assert report.share_text(0.6) == "0.60"
+    assert report.share_text(0.46) == "0.46"
