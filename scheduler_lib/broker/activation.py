@@ -196,7 +196,9 @@ class ActivationRuntime:
 
     def start(self) -> ActivationRuntime:
         """Start the supervisor (monitors follow the catalog) and the heartbeat."""
-        self.broker._watch_sqlite()
+        # Monitors are woken by arrivals other processes announce (NOTIFY, or on SQLite
+        # their commits) even while no reader of theirs waits here.
+        self.broker._hear_other_processes()
         for target, name in (
             (self._supervise, "activation-supervisor"),
             (self._beat, "activation-heartbeat"),

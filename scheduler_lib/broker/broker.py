@@ -540,6 +540,16 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         except Exception as exc:  # bookkeeping for monitors must never fail a receive
             self.availability.report(log, f"could not record an empty receive on {queue}", exc)
 
+    def _hear_other_processes(self) -> None:
+        """For a thread that waits for wakeups without registering as a receiver (the
+        transport's loader: its NOTIFYs are sent whoever waits; a queue monitor: arrivals
+        announced for another process's readers): start LISTENing on PostgreSQL, or the
+        watcher of other connections' commits on SQLite."""
+        if self._listener is not None:
+            self._listener.start()
+        else:
+            self._watch_sqlite()
+
     def _watch_sqlite(self) -> None:
         """Start the SQLite watcher when the first receiver waits (PostgreSQL LISTENs)."""
         if self._listener is not None or self._watcher is not None:

@@ -100,10 +100,11 @@ class Wakeups:
 class PostgresListener:
     """A daemon thread that LISTENs on the broker channel and feeds :class:`Wakeups`.
 
-    It starts with the first waiter (:meth:`wait_ready`): a process that only sends
-    (a producer, ``exec_async`` callers that do not wait) keeps no LISTEN connection,
-    whose backend PostgreSQL would signal at every NOTIFY of the database, and no
-    thread woken by each of them."""
+    It starts with the first waiter (:meth:`wait_ready`, or :meth:`start` for threads
+    that wait without registering: the transport's loader, queue monitors): a process
+    that only sends (a producer, ``exec_async`` callers that do not wait) keeps no LISTEN
+    connection, whose backend PostgreSQL would signal at every NOTIFY of the database,
+    and no thread woken by each of them."""
 
     def __init__(self, engine: sa.Engine, wakeups: Wakeups) -> None:
         self._engine = engine
@@ -113,13 +114,17 @@ class PostgresListener:
         self._thread = threading.Thread(target=self._run, name="broker-listen", daemon=True)
         self._start_lock = threading.Lock()
 
+    def start(self) -> None:
+        """Start listening (once; later calls do nothing)."""
+        if self._thread.ident is None and not self._stopped.is_set():
+            with self._start_lock:
+                if self._thread.ident is None and not self._stopped.is_set():
+                    self._thread.start()
+
     def wait_ready(self, timeout: float) -> bool:
         """Whether LISTEN is in place (so a NOTIFY sent from now on is seen); the first
         call starts the listener."""
-        if not self._thread.is_alive() and not self._stopped.is_set():
-            with self._start_lock:
-                if self._thread.ident is None:
-                    self._thread.start()
+        self.start()
         return self._ready.wait(timeout)
 
     def stop(self) -> None:

@@ -1,17 +1,21 @@
 """What waiting for messages costs on PostgreSQL: an empty RECEIVE looks once before it
 waits; its connection keeps its prepared statements (psycopg drops them all at every
 ROLLBACK, so a waiting reader whose idle transaction ended that way planned its statements
-anew); and only a process that waits LISTENs."""
+anew); and a process LISTENs only once something in it waits for wakeups (a RECEIVE, a
+queue monitor, a transport endpoint's loader)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from scheduler_lib.broker import Broker
+from scheduler_lib.broker.activation import ActivationRuntime
 from scheduler_lib.broker.store import Store
+from scheduler_lib.broker.transport.endpoint import TransportEndpoint
 
 pytestmark = pytest.mark.postgres
 
@@ -92,3 +96,29 @@ def test_a_process_that_only_sends_does_not_listen(broker: Broker) -> None:
     # And a RECEIVE that waits starts listening, so that a sender's NOTIFY wakes it
     assert broker.receive(QUEUE, timeout=0.05) == []
     assert _listening(broker) == 1
+
+
+def _until_listening(broker: Broker) -> int:
+    deadline = time.monotonic() + 10
+    while _listening(broker) != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _listening(broker)
+
+
+def test_queue_monitors_listen_though_nothing_waits_here(broker: Broker) -> None:
+    # When an activation runtime starts in a process where no RECEIVE waits
+    runtime = ActivationRuntime(broker).start()
+    try:
+        # Then the process LISTENs: its monitors hear arrivals announced for readers of
+        # other processes
+        assert _until_listening(broker) == 1
+    finally:
+        runtime.stop()
+
+
+def test_a_transport_endpoint_listens_though_nothing_waits_here(broker: Broker) -> None:
+    # When a transport endpoint starts in a process where no RECEIVE waits
+    with TransportEndpoint(broker, key="k" * 16, listen="127.0.0.1:0"):
+        # Then the process LISTENs: its loader hears what other processes put in the
+        # transmission queue at once, not at its next poll
+        assert _until_listening(broker) == 1

@@ -330,7 +330,7 @@ class TransportEndpoint:
 
     def _load_loop(self) -> None:
         broker = self._broker
-        broker._watch_sqlite()  # SQLite: wake on commits of other processes too
+        broker._hear_other_processes()  # their sends wake the loader too
         cursor, last_rescan = 0, 0.0
         while not self._stopping.is_set():
             seen = broker._wakeups.generation(wakeup.TRANSMISSION)
