@@ -750,13 +750,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         fast_looked: bool = False,
     ) -> list[Message]:
         """One look; ``fast_looked``: the caller has just made the one-statement look."""
-        if fast_looked:
-            pass
-        elif handle is None and group_id is None:
-            found = self._receive_fast(queue, top)
-            if found:
-                return found
-        elif handle is not None:
+        if not fast_looked and group_id is None:
             found = self._receive_fast(queue, top, handle)
             if found:
                 return found

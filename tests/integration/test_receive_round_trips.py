@@ -6,6 +6,7 @@ queue monitor, a transport endpoint's loader)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -122,3 +123,57 @@ def test_a_transport_endpoint_listens_though_nothing_waits_here(broker: Broker) 
         # Then the process LISTENs: its loader hears what other processes put in the
         # transmission queue at once, not at its next poll
         assert _until_listening(broker) == 1
+
+
+def test_a_connection_lost_at_the_idle_commit_of_a_waiting_synchronization(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from scheduler_lib.broker.transaction import Transaction
+    from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
+
+    broker = Broker(postgres_url, timers=False)
+    try:
+        init(broker, targets=[Target(activation=False)])
+        scheduler = TaskScheduler(broker)
+        handle = scheduler.get_scheduler()
+        log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -5))
+        # Given: the COMMIT that ends a waiting RECEIVE's idle transaction meets a backend
+        # that was just terminated (the first time it runs)
+        killed = threading.Event()
+        release = Transaction._release_while_idle
+
+        def killing(self: Transaction) -> None:
+            conn = self._connection
+            if not killed.is_set() and conn is not None and conn.in_transaction():
+                pid = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
+                with broker.transaction() as tx:
+                    tx._conn().exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")
+                killed.set()
+            release(self)
+
+        monkeypatch.setattr(Transaction, "_release_while_idle", killing)
+        answered: list[Any] = []
+        waiting = threading.Thread(
+            target=lambda: answered.append(scheduler.synchronization(handle, timeout=30)),
+            daemon=True,
+        )
+        # When synchronization waits and is woken with nothing there for it (as by an
+        # answer to another scheduler on the same queue), so that it looks in a transaction
+        waiting.start()
+        queue = scheduler.names.initiator_queue
+        deadline = time.monotonic() + 10
+        while not killed.is_set() and time.monotonic() < deadline:
+            broker._wakeups.notify({queue})
+            killed.wait(0.01)
+        assert killed.is_set(), "the idle transaction's end was never reached"
+        # And the task runs afterwards
+        assert Executor(broker, "QueueAsyncTarget", idle_timeout=1).run_one(timeout=10)
+        waiting.join(30)
+        # Then synchronization rode through the lost connection and got the answer once
+        assert not waiting.is_alive()
+        [completion] = answered
+        assert (completion.log_id, completion.status) == (log_id, "SUCCEEDED")
+        (row,) = broker.fetch("log_get", log_id=log_id)
+        assert (row["status"], row["attempts"]) == ("SUCCEEDED", 1)
+    finally:
+        broker.close()
