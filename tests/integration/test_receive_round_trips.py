@@ -2,7 +2,9 @@
 waits; its connection keeps its prepared statements (psycopg drops them all at every
 ROLLBACK, so a waiting reader whose idle transaction ended that way planned its statements
 anew); and a process LISTENs only once something in it waits for wakeups (a RECEIVE, a
-queue monitor, a transport endpoint's loader)."""
+queue monitor, a transport endpoint's loader); and readers side by side never come back
+empty while a conversation group nobody holds has messages (a one-statement RECEIVE's
+snapshot predates its group lock)."""
 
 from __future__ import annotations
 
@@ -177,3 +179,60 @@ def test_a_connection_lost_at_the_idle_commit_of_a_waiting_synchronization(
         assert (row["status"], row["attempts"]) == ("SUCCEEDED", 1)
     finally:
         broker.close()
+
+
+CONVERSATIONS = 8  # each its own conversation group
+READERS = 4
+MESSAGES = 800
+
+
+@pytest.mark.parametrize("how", ["receive", "take"])
+def test_concurrent_readers_never_come_back_empty_while_a_free_group_has_messages(
+    broker: Broker, how: str
+) -> None:
+    # Given messages spread round robin over eight conversation groups, the oldest first
+    broker.create_message_type("Job")
+    broker.create_contract("JobContract", {"Job": "INITIATOR"})
+    broker.create_queue("Senders")
+    broker.create_service("SenderService", "Senders")
+    broker.create_service("InboxService", QUEUE, ["JobContract"])
+    handles = [
+        broker.begin_dialog("SenderService", "InboxService", "JobContract")
+        for _ in range(CONVERSATIONS)
+    ]
+    with broker.transaction() as tx:
+        for i in range(MESSAGES):
+            tx.send(handles[i % CONVERSATIONS], "Job", b"%d" % i)
+    taken: list[bytes] = []
+    wrongly_empty: list[int] = []
+    lock = threading.Lock()
+
+    def read() -> None:
+        while True:
+            if how == "receive":
+                got = [m.body for m in broker.receive(QUEUE, timeout=0)]
+            else:
+                leases = broker.take(QUEUE, timeout=0, durable=False)
+                got = [lease.message.body for lease in leases]
+                for lease in leases:
+                    broker.complete(lease)
+            with lock:
+                if not got and len(taken) < MESSAGES - CONVERSATIONS * READERS:
+                    # The groups drain evenly (the oldest message comes first), so every
+                    # group still had messages, and the other readers held three at most.
+                    wrongly_empty.append(len(taken))
+                taken.extend(got)
+                if len(taken) >= MESSAGES:
+                    return
+
+    # When four readers RECEIVE (or take) without waiting, one message at a time
+    threads = [threading.Thread(target=read) for _ in range(READERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    # Then none came back empty while a group nobody held had messages (the statement's
+    # snapshot predates its group lock: it must read past what the group's last holder
+    # took meanwhile), and each message came once
+    assert wrongly_empty == []
+    assert sorted(taken, key=int) == [b"%d" % i for i in range(MESSAGES)]

@@ -161,6 +161,11 @@ FROM far, sender, (SELECT count(*) AS n FROM enqueued) AS e,
 -- RECEIVE in one round trip from an enabled queue without retention or aging: lock the
 -- first group nobody holds and take its first :top messages. No row back: nothing was
 -- there, or the queue needs the checked slow path (unknown, disabled, retention, aging).
+-- The message rows are read FOR UPDATE: the statement's snapshot predates the group lock,
+-- so it still sees the messages that the group's last holder took and committed between
+-- the two; a plain read picked them, the DELETE found them gone, and the RECEIVE came back
+-- empty with the group's other messages ready (a tenth of the RECEIVEs of four readers on
+-- eight conversations). A locking read re-checks each row and moves on past the gone ones.
 WITH grp AS (
     SELECT g.conversation_group_id FROM queue_messages m
     JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
@@ -181,6 +186,7 @@ WITH grp AS (
     WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
     ORDER BY m.priority DESC, m.message_id
     LIMIT :top
+    FOR UPDATE
 ), conversations AS (
     SELECT conversation_handle, priority, min(message_id) AS arrived
     FROM firsts GROUP BY conversation_handle, priority
@@ -193,6 +199,7 @@ WITH grp AS (
         WHERE m.conversation_handle = c.conversation_handle AND m.status = 1
         ORDER BY m.message_sequence_number
         LIMIT :top
+        FOR UPDATE
     ) s
     ORDER BY c.priority DESC, c.arrived, s.message_sequence_number
     LIMIT :top
@@ -270,6 +277,7 @@ RETURNING send_sequence - 1 AS message_sequence_number,
 -- RECEIVE ... WHERE conversation_handle = :handle in one round trip (Synchronization's
 -- receive): lock the conversation's group unless another holds it, take its first :top
 -- messages in sequence order. No row back: nothing there, or the checked path is needed.
+-- Message rows read FOR UPDATE, as receive_fast says why.
 WITH grp AS (
     SELECT g.conversation_group_id FROM conversation_endpoints e
     JOIN conversation_groups g ON g.conversation_group_id = e.conversation_group_id
@@ -289,6 +297,7 @@ WITH grp AS (
     AND EXISTS (SELECT 1 FROM grp)
     ORDER BY m.message_sequence_number
     LIMIT :top
+    FOR UPDATE
 ), taken AS (
     DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
     RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
@@ -305,6 +314,7 @@ SELECT * FROM taken ORDER BY message_sequence_number;
 -- RECEIVE for long work in one round trip: take the first :top messages of the first
 -- group nobody holds (as receive_fast) and put them under leases. Run in autocommit on a
 -- connection whose commits do not wait for the WAL flush (Broker.take(durable=False)).
+-- Message rows read FOR UPDATE, as receive_fast says why.
 WITH grp AS (
     SELECT g.conversation_group_id FROM queue_messages m
     JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
@@ -325,6 +335,7 @@ WITH grp AS (
     WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
     ORDER BY m.priority DESC, m.message_id
     LIMIT :top
+    FOR UPDATE
 ), conversations AS (
     SELECT conversation_handle, priority, min(message_id) AS arrived
     FROM firsts GROUP BY conversation_handle, priority
@@ -337,6 +348,7 @@ WITH grp AS (
         WHERE m.conversation_handle = c.conversation_handle AND m.status = 1
         ORDER BY m.message_sequence_number
         LIMIT :top
+        FOR UPDATE
     ) s
     ORDER BY c.priority DESC, c.arrived, s.message_sequence_number
     LIMIT :top
