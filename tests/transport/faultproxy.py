@@ -16,7 +16,7 @@ import threading
 
 from scheduler_lib.broker.transport.frames import MAC_SIZE, MAGIC, MAX_BODY, PREFIX, Kind
 
-HANDSHAKE = (Kind.HELLO.value, Kind.WELCOME.value)
+HANDSHAKE = (Kind.HELLO.value, Kind.WELCOME.value, Kind.CONFIRM.value)
 KINDS = frozenset(kind.value for kind in Kind)
 STATS = (
     "connections",

@@ -24,6 +24,7 @@ from scheduler_lib.broker import (
     ServiceNotFound,
 )
 from scheduler_lib.broker.transport import TransportEndpoint, frames, tls_contexts
+from scheduler_lib.broker.transport.endpoint import PROTOCOL_VERSION
 
 OPTIONS = {"key": KEY, "listen": "127.0.0.1:0", **FAST_RETRY}
 
@@ -363,19 +364,21 @@ def test_one_connection_per_peer_closed_when_idle_and_reopened_on_demand(
 
 
 def _handshake(endpoint: TransportEndpoint) -> tuple[socket.socket, bytes, bytes]:
-    """A hand-made peer: HELLO with the right key; returns the socket and the session
-    keys it sends and reads with."""
+    """A hand-made peer: HELLO, WELCOME and CONFIRM with the right key; returns the socket
+    and the session keys it sends and reads with."""
     sock = socket.create_connection(address_of(endpoint), timeout=10)
-    hello = {"v": 1, "broker": "a-hand-made-peer", "nonce": "n1", "listen": None}
+    nonce, me = "01" * frames.NONCE_BYTES, "a-hand-made-peer"
+    hello = {"v": PROTOCOL_VERSION, "broker": me, "nonce": nonce, "listen": None}
     sock.sendall(frames.encode(frames.Kind.HELLO, hello, None, KEY.encode()))
     welcome = _read_frame(sock, KEY.encode())
     assert welcome.kind is frames.Kind.WELCOME
-    nonce = welcome.header["nonce"]
-    return (
-        sock,
-        frames.session_key(KEY.encode(), "n1", nonce, "out"),
-        frames.session_key(KEY.encode(), "n1", nonce, "in"),
+    keys = frames.handshake_keys(
+        KEY.encode(), nonce, welcome.header["nonce"], me, welcome.header["broker"]
     )
+    assert welcome.header["proof"] == keys.welcome_proof
+    confirm = {"proof": keys.confirm_proof}
+    sock.sendall(frames.encode(frames.Kind.CONFIRM, confirm, None, keys.send_out))
+    return sock, keys.send_out, keys.send_in
 
 
 def _parse(data: bytes, key: bytes) -> frames.Frame:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the handshake proves the key both ways (HELLO, WELCOME, CONFIRM)
 RETRY_INITIAL = 2.5  # seconds before an unacknowledged message goes again (then doubling)
 RETRY_MAX = 60.0  # seconds; the backoff's cap
 FRAGMENT_SIZE = 64 * 1024  # bytes of body per fragment
@@ -105,7 +105,6 @@ class Connection:
         self.peer_address = peer_address
         self.send_key = send_key  # one key per direction: a frame cannot be reflected
         self.receive_key = receive_key
-        self.verified = direction == "outbound"  # inbound: once a frame proves the key
         peername = writer.get_extra_info("peername")
         self.peer = f"{peername[0]}:{peername[1]}" if peername else "?"
         self.opened_at = self.last_activity = self.last_received = time.time()
@@ -548,6 +547,8 @@ class TransportEndpoint:
                     error = f"cannot connect to {link.address}: {_describe(exc)}"
                     if error != link.last_error:
                         log.warning("transport: %s", error)
+                        if isinstance(exc, HandshakeRefused):
+                            self._event("CONNECTION_REJECTED", link.address, str(exc))
                     link.last_error = error
                     for message in link.messages.values():
                         self._status(message, error, 0)
@@ -562,10 +563,13 @@ class TransportEndpoint:
                 link.dialing = None
 
     async def _open(self, link: Link) -> Connection:
+        """Dial ``link``'s address and run the dialler's side of the handshake
+        (frames.py): nothing but the HELLO is written before the far side has proved
+        that it holds the transport key."""
         host, port = routes.parse_address(link.address)
         reader, writer = await asyncio.open_connection(host, port, ssl=self._client_ssl)
         try:
-            nonce = secrets.token_hex(16)
+            nonce = secrets.token_hex(frames.NONCE_BYTES)
             hello = {
                 "v": PROTOCOL_VERSION,
                 "broker": self.broker_instance,
@@ -574,26 +578,42 @@ class TransportEndpoint:
             }
             writer.write(frames.encode(frames.Kind.HELLO, hello, None, self._key))
             try:
-                welcome = await frames.read(reader, self._key)
+                welcome = await frames.read(reader, self._key, max_body=HANDSHAKE_MAX_BODY)
             except frames.CorruptFrame:
-                raise ConnectionError(
+                raise HandshakeRefused(
                     "the peer's WELCOME does not verify: the two brokers have different "
                     "transport keys"
                 ) from None
-            except asyncio.IncompleteReadError:
-                raise ConnectionError(
-                    "the peer closed the connection during the handshake (it refused our "
-                    "HELLO: different transport keys?)"
-                ) from None
+            except frames.GarbageFrame as exc:
+                raise HandshakeRefused(f"the peer answered with {exc}") from None
+            except asyncio.IncompleteReadError as exc:
+                raise ConnectionError(_closed_in_handshake(exc, self._client_ssl)) from None
             header = welcome.header
-            if welcome.kind is not frames.Kind.WELCOME or not isinstance(header.get("nonce"), str):
-                raise ConnectionError(f"expected WELCOME, got {welcome.kind.name}")
-            peer_broker = str(header.get("broker"))
+            if welcome.kind is not frames.Kind.WELCOME:
+                raise HandshakeRefused(f"expected WELCOME, got {welcome.kind.name}")
+            if header.get("v") != PROTOCOL_VERSION:
+                raise HandshakeRefused(_other_version(header.get("v")))
+            peer_broker = header.get("broker")
+            if not isinstance(peer_broker, str) or not isinstance(header.get("nonce"), str):
+                raise HandshakeRefused("a WELCOME without broker id or nonce")
+            try:
+                keys = frames.handshake_keys(
+                    self._key, nonce, header["nonce"], self.broker_instance, peer_broker
+                )
+            except ValueError as exc:
+                raise HandshakeRefused(f"a WELCOME with a malformed nonce: {exc}") from None
+            if not frames.proof_holds(header.get("proof"), keys.welcome_proof):
+                raise HandshakeRefused(
+                    "the peer did not prove it holds the transport key for this connection "
+                    "(a replayed or forged WELCOME): nothing was sent to it"
+                )
             if link.expected_instance not in (None, peer_broker):
                 raise ConnectionError(
                     f"broker {peer_broker} answers at {link.address}, but the route names "
                     f"broker instance {link.expected_instance}"
                 )
+            confirm = {"proof": keys.confirm_proof}
+            writer.write(frames.encode(frames.Kind.CONFIRM, confirm, None, keys.send_out))
         except BaseException:
             writer.close()
             raise
@@ -603,8 +623,8 @@ class TransportEndpoint:
             direction="outbound",
             peer_broker=peer_broker,
             peer_address=link.address,
-            send_key=frames.session_key(self._key, nonce, header["nonce"], "out"),
-            receive_key=frames.session_key(self._key, nonce, header["nonce"], "in"),
+            send_key=keys.send_out,
+            receive_key=keys.send_in,
         )
         self._serve(conn)
         return conn
@@ -612,51 +632,81 @@ class TransportEndpoint:
     # --- accepting (loop thread) -------------------------------------------------------
 
     async def _on_inbound(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The acceptor's side of the handshake (frames.py): a connection is served once
+        the dialler has answered this connection's fresh nonce with its proof, within
+        :data:`CONNECT_TIMEOUT` of its opening."""
         peername = writer.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if peername else "?"
-        try:
-            hello = await asyncio.wait_for(
-                frames.read(reader, self._key, max_body=HANDSHAKE_MAX_BODY), CONNECT_TIMEOUT
-            )
+        step = "its HELLO"
+
+        async def handshake() -> tuple[str, Any, frames.HandshakeKeys]:
+            nonlocal step
+            hello = await frames.read(reader, self._key, max_body=HANDSHAKE_MAX_BODY)
             header = hello.header
             if hello.kind is not frames.Kind.HELLO:
                 raise frames.GarbageFrame(f"expected HELLO, got {hello.kind.name}")
-            if not isinstance(header.get("nonce"), str) or not isinstance(
-                header.get("broker"), str
-            ):
-                raise frames.GarbageFrame("HELLO without broker id or nonce")
             if header.get("v") != PROTOCOL_VERSION:
-                raise frames.GarbageFrame(f"protocol version {header.get('v')!r} is not ours")
+                raise frames.GarbageFrame(_other_version(header.get("v")))
+            peer_broker, listen = header.get("broker"), header.get("listen")
+            if not isinstance(header.get("nonce"), str) or not isinstance(peer_broker, str):
+                raise frames.GarbageFrame("HELLO without broker id or nonce")
+            nonce = secrets.token_hex(frames.NONCE_BYTES)
+            try:
+                keys = frames.handshake_keys(
+                    self._key, header["nonce"], nonce, peer_broker, self.broker_instance
+                )
+            except ValueError as exc:
+                raise frames.GarbageFrame(f"HELLO with a malformed nonce: {exc}") from None
+            welcome = {
+                "v": PROTOCOL_VERSION,
+                "broker": self.broker_instance,
+                "nonce": nonce,
+                "proof": keys.welcome_proof,
+            }
+            writer.write(frames.encode(frames.Kind.WELCOME, welcome, None, self._key))
+            step = "its CONFIRM"
+            confirm = await frames.read(reader, keys.send_out, max_body=HANDSHAKE_MAX_BODY)
+            if confirm.kind is not frames.Kind.CONFIRM or not frames.proof_holds(
+                confirm.header.get("proof"), keys.confirm_proof
+            ):
+                raise frames.CorruptFrame(confirm.kind, 0)
+            return peer_broker, listen, keys
+
+        try:
+            peer_broker, listen, keys = await asyncio.wait_for(handshake(), CONNECT_TIMEOUT)
         except frames.CorruptFrame:
-            self._reject_connection(
-                writer, peer, "its HELLO does not verify (wrong transport key?)"
+            reason = (
+                "its HELLO does not verify (wrong transport key?)"
+                if step == "its HELLO"
+                else "it did not prove it holds the transport key (a replayed HELLO?)"
             )
+            self._reject_connection(writer, peer, reason)
             return
         except frames.GarbageFrame as exc:
-            self._reject_connection(writer, peer, f"garbage instead of a HELLO: {exc}")
+            self._reject_connection(writer, peer, f"garbage instead of {step}: {exc}")
             return
-        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, OSError) as exc:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
+            self._reject_connection(
+                writer, peer, f"no {step.removeprefix('its ')} within {CONNECT_TIMEOUT:g} s"
+            )
+            return
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.info(
-                "transport: connection from %s ended before its HELLO (%s)", peer, _describe(exc)
+                "transport: connection from %s ended before %s (%s)", peer, step, _describe(exc)
             )
             writer.close()
             return
-        nonce = secrets.token_hex(16)
-        welcome = {"v": PROTOCOL_VERSION, "broker": self.broker_instance, "nonce": nonce}
-        writer.write(frames.encode(frames.Kind.WELCOME, welcome, None, self._key))
-        listen = header.get("listen")
         conn = Connection(
             reader,
             writer,
             direction="inbound",
-            peer_broker=header["broker"],
+            peer_broker=peer_broker,
             peer_address=listen if isinstance(listen, str) else None,
-            send_key=frames.session_key(self._key, header["nonce"], nonce, "in"),
-            receive_key=frames.session_key(self._key, header["nonce"], nonce, "out"),
+            send_key=keys.send_in,
+            receive_key=keys.send_out,
         )
-        # Sent to only once a frame signed with the session key proves the peer holds the
-        # transport key (a replayed HELLO proves nothing): see _read_loop.
         self._serve(conn)
+        self._adopt(conn)
 
     def _adopt(self, conn: Connection) -> None:
         """An inbound connection proved itself: carry our messages for the address it
@@ -696,9 +746,6 @@ class TransportEndpoint:
                 conn.last_activity = conn.last_received = time.time()
                 conn.frames_received += 1
                 conn.bytes_received += len(frame.body or b"") + frames.PREFIX.size
-                if not conn.verified:
-                    conn.verified = True
-                    self._adopt(conn)
                 fragment = self._on_frame(conn, frame)
                 if fragment is not None:
                     assert self._incoming is not None
@@ -989,6 +1036,25 @@ class TransportEndpoint:
             log.warning("transport: writing to the database failed; trying again", exc_info=True)
             self._acked[:0] = acked
             self._events[:0] = events
+
+
+class HandshakeRefused(ConnectionError):
+    """The far side failed the handshake: it did not prove the key, or is not our kind."""
+
+
+def _other_version(version: object) -> str:
+    return (
+        f"the peer speaks transport protocol {version!r}, this broker {PROTOCOL_VERSION}: "
+        "run the same scheduler_lib release on both brokers"
+    )
+
+
+def _closed_in_handshake(exc: BaseException, tls: ssl.SSLContext | None) -> str:
+    """Why a peer may have closed the connection before its WELCOME."""
+    causes = "different transport keys, or another protocol version"
+    if tls is None:
+        causes += ", or it expects TLS"
+    return f"the peer closed the connection during the handshake ({causes}?)"
 
 
 def _transport_key(key: bytes | str) -> bytes:

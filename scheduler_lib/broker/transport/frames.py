@@ -8,9 +8,23 @@ A frame is::
 The header carries the conversation protocol's fields (conversation id, direction,
 sequence number, fragment index and count, services, contract, message type) and the
 acknowledgements piggy-backed on it; the body is the fragment's bytes. The HMAC is keyed
-by the transport key for the handshake (HELLO / WELCOME) and by the connection's session
-key (derived from the key and both sides' nonces) afterwards, so a frame recorded on one
-connection does not verify on another.
+by the transport key for the handshake and by the connection's session key afterwards, so
+a frame recorded on one connection does not verify on another.
+
+The handshake authenticates both sides with fresh nonces, so that a recording replayed
+later proves nothing:
+
+1. HELLO (dialler -> acceptor): its broker instance and a fresh nonce.
+2. WELCOME (acceptor -> dialler): its broker instance, a fresh nonce, and a proof: an HMAC
+   over both nonces and both instances, keyed by a key derived from the transport key and
+   both nonces. A replayed WELCOME carries the proof of another HELLO's nonce; the dialler
+   sends nothing until the proof holds.
+3. CONFIRM (dialler -> acceptor): the dialler's proof over the same, under another
+   derived key. A replayed HELLO gets its WELCOME, but without the key nobody can answer
+   its fresh nonce; the acceptor closes the connection at any other first frame.
+
+The proof keys and both directions' session keys come from HKDF-SHA256 (RFC 5869, from
+``cryptography``) of the transport key, salted with both nonces, over the two instances.
 
 A frame whose fixed prefix is wrong (magic, kind, sizes) is *garbage*: the stream can no
 longer be trusted and the connection is closed. A frame whose HMAC does not match is
@@ -28,6 +42,9 @@ import json
 import struct
 from typing import Any
 
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 MAGIC = b"SLB1"
 PREFIX = struct.Struct("!4sBBHI")  # magic, kind, flags, header length, body length
 MAC_SIZE = 32  # HMAC-SHA256
@@ -36,11 +53,16 @@ FLAG_NULL_BODY = 1  # the message body is NULL (not empty)
 
 
 class Kind(enum.IntEnum):
-    HELLO = 1  # connecting side: who I am, my nonce (signed with the transport key)
-    WELCOME = 2  # accepting side: who I am, my nonce (signed with the transport key)
+    HELLO = 1  # dialler: who I am, my nonce (signed with the transport key)
+    WELCOME = 2  # acceptor: who I am, my nonce, my proof over both (signed with the key)
     MESSAGE = 3  # one fragment of a sequenced message (may carry acknowledgements)
     ACK = 4  # acknowledgements alone
     REJECT = 5  # fragments the receiver refuses, with the reason (not acknowledged)
+    CONFIRM = 6  # dialler: my proof over both nonces (signed with its session key)
+
+
+HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.WELCOME, Kind.CONFIRM})
+NONCE_BYTES = 16  # random bytes of each side's nonce (sent as 32 hex digits)
 
 
 class GarbageFrame(Exception):
@@ -110,8 +132,42 @@ async def read(reader: asyncio.StreamReader, key: bytes, max_body: int = MAX_BOD
     return Frame(Kind(kind), header, body)
 
 
-def session_key(key: bytes, connecting_nonce: str, accepting_nonce: str, direction: str) -> bytes:
-    """The key that signs a connection's frames after the handshake, one per direction
-    (``"out"``: from the connecting side), so a frame cannot be sent back to its sender."""
-    material = f"session:{direction}:{connecting_nonce}:{accepting_nonce}".encode()
-    return hmac.new(key, material, hashlib.sha256).digest()
+@dataclasses.dataclass(frozen=True)
+class HandshakeKeys:
+    """What one handshake derives: each side's proof and each direction's session key
+    (``out``: the dialler's frames, ``in``: the acceptor's)."""
+
+    welcome_proof: str  # hex: what the acceptor's WELCOME must carry
+    confirm_proof: str  # hex: what the dialler's CONFIRM must carry
+    send_out: bytes
+    send_in: bytes
+
+
+def handshake_keys(
+    key: bytes, dialler_nonce: str, acceptor_nonce: str, dialler: str, acceptor: str
+) -> HandshakeKeys:
+    """The keys and proofs of one handshake, from the transport key, both nonces (hex,
+    :data:`NONCE_BYTES` each) and both broker instances.
+
+    :raises ValueError: a nonce that is not :data:`NONCE_BYTES` bytes of hex (a peer that
+        is not ours: close the connection)
+    """
+    nonces = [bytes.fromhex(n) for n in (dialler_nonce, acceptor_nonce)]
+    if any(len(n) != NONCE_BYTES for n in nonces):
+        raise ValueError(f"a nonce must be {NONCE_BYTES} bytes")
+    transcript = json.dumps(["scheduler_lib transport 2", dialler, acceptor]).encode()
+    material = HKDF(
+        algorithm=hashes.SHA256(), length=4 * 32, salt=nonces[0] + nonces[1], info=transcript
+    ).derive(key)
+    welcome, confirm, out, back = (material[i : i + 32] for i in range(0, 128, 32))
+    return HandshakeKeys(
+        welcome_proof=hmac.new(welcome, b"WELCOME" + transcript, hashlib.sha256).hexdigest(),
+        confirm_proof=hmac.new(confirm, b"CONFIRM" + transcript, hashlib.sha256).hexdigest(),
+        send_out=out,
+        send_in=back,
+    )
+
+
+def proof_holds(given: object, expected: str) -> bool:
+    """Whether a proof a peer sent is the expected one (in constant time)."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())

@@ -1,0 +1,253 @@
+"""A peer that means harm (issue 25): recordings of a genuine handshake replayed at either
+side, and a server that never proves it holds the transport key. The hostile side is
+written here, from sockets and the frame format, not from the endpoint's own code.
+
+What must hold: nothing is sent to a peer that has not proved the key on this connection
+(a replayed WELCOME gets no message, also with the route pinned to the far broker's
+instance); a replayed HELLO gets no further than its WELCOME (the connection is closed at
+its first other frame, with one event, and carries none of our messages)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+from multiproc import poll
+from transport_catalog import CONTRACT, FAST_RETRY, INITIATOR, KEY, REPLY, REQUEST, TARGET
+from transport_catalog import TARGET_QUEUE as B_QUEUE
+
+from scheduler_lib.broker import Broker
+from scheduler_lib.broker.transport import TransportEndpoint, frames
+
+OPTIONS = {"key": KEY, "listen": "127.0.0.1:0", **FAST_RETRY}
+SECRET = b"the body nobody else may read"
+
+
+def split_frames(data: bytes) -> list[tuple[int, bytes]]:
+    """(kind, bytes) of each whole frame at the start of a recorded stream."""
+    out = []
+    while len(data) >= frames.PREFIX.size:
+        _, kind, _, head, body = frames.PREFIX.unpack(data[: frames.PREFIX.size])
+        size = frames.PREFIX.size + head + body + frames.MAC_SIZE
+        if len(data) < size:
+            break
+        out.append((kind, data[:size]))
+        data = data[size:]
+    return out
+
+
+def host_port(address: str | None) -> tuple[str, int]:
+    assert address is not None
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port)
+
+
+class Recorder:
+    """A TCP relay in front of an address that keeps every byte that crossed it, per
+    connection and direction: what someone on the network between two brokers sees."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
+        self.streams: list[dict[str, bytearray]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                near, _ = self.server.accept()
+                far = socket.create_connection(self.target)
+                stream = {"out": bytearray(), "back": bytearray()}
+                self.streams.append(stream)
+                for src, dst, key in ((near, far, "out"), (far, near, "back")):
+                    threading.Thread(
+                        target=self._pump, args=(src, dst, stream[key]), daemon=True
+                    ).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, seen: bytearray) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                seen.extend(data)
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class FakeServer:
+    """A keyless server at a route's address: to every connection it answers with
+    ``answer`` (a recorded WELCOME, garbage, or nothing) and keeps what it is sent."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
+        self.received: list[bytearray] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.server.accept()
+                seen = bytearray()
+                self.received.append(seen)
+                threading.Thread(target=self._serve, args=(conn, seen), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, seen: bytearray) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(30)
+            answered = False
+            while data := conn.recv(65536):
+                seen.extend(data)
+                if not answered and self.answer:
+                    conn.sendall(self.answer)
+                    answered = True
+
+    def kinds(self) -> list[int]:
+        return [kind for stream in self.received for kind, _ in split_frames(bytes(stream))]
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@contextlib.contextmanager
+def recorded_exchange(a: Broker, b: Broker) -> Iterator[Recorder]:
+    """A genuine exchange between A and B recorded on the wire: A sends a message to B
+    through a recorder (a HELLO, WELCOME, CONFIRM and the frames after them)."""
+    with TransportEndpoint(b, **OPTIONS) as eb:
+        recorder = Recorder(host_port(eb.address))
+        try:
+            with TransportEndpoint(a, **OPTIONS):
+                a.create_route("recorded", TARGET, recorder.address)
+                handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+                a.send(handle, REQUEST, b"recorded")
+                poll(lambda: b.peek(B_QUEUE), 30, "the recorded message at B")
+                poll(lambda: not a.fetch("outgoing_list", limit=10), 30, "its acknowledgement")
+            a.drop_route("recorded")
+            yield recorder
+        finally:
+            recorder.close()
+
+
+def first_of(data: bytes, kind: frames.Kind) -> bytes:
+    return next(raw for k, raw in split_frames(data) if k == kind)
+
+
+@pytest.mark.parametrize("answer", ["replayed WELCOME", "garbage", "nothing"])
+@pytest.mark.parametrize("pinned", [False, True], ids=["any-instance", "pinned-instance"])
+def test_nothing_is_sent_to_a_server_that_does_not_prove_the_key(
+    pair: tuple[Broker, Broker], answer: str, pinned: bool
+) -> None:
+    a, b = pair
+    # Given a WELCOME recorded from B, and a keyless server at a route's address that
+    # answers every HELLO with it (or with garbage, or not at all)
+    with recorded_exchange(a, b) as recorder:
+        welcome = first_of(bytes(recorder.streams[0]["back"]), frames.Kind.WELCOME)
+    fake = FakeServer(
+        {"replayed WELCOME": welcome, "garbage": b"HTTP/1.1 200 OK\r\n\r\n" * 3, "nothing": b""}[
+            answer
+        ]
+    )
+    try:
+        with TransportEndpoint(a, **OPTIONS) as ea:
+            a.create_route(
+                "to the fake",
+                TARGET,
+                fake.address,
+                broker_instance=b.broker_instance if pinned else None,
+            )
+            # When A sends a message for that service
+            handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+            a.send(handle, REQUEST, SECRET)
+            # Then A dials, and its status says why nothing went
+            statuses = lambda: [  # noqa: E731
+                r["transmission_status"] for r in a.fetch("outgoing_list", limit=100)
+            ]
+            why = {
+                "replayed WELCOME": "did not prove it holds the transport key",
+                "garbage": "answered with",
+                "nothing": "cannot connect",
+            }[answer]
+            poll(
+                lambda: any(why in (s or "") for s in statuses()),
+                30,
+                f"status {why!r}",
+                explain=statuses,
+            )
+            poll(lambda: len(fake.received) >= 2, 30, "A dialled again")
+            assert ea.connections() == []
+        # And the fake got HELLOs only: not a CONFIRM, not a frame of the message, not its body
+        assert fake.kinds() and set(fake.kinds()) == {frames.Kind.HELLO}
+        assert not any(SECRET in stream for stream in fake.received)
+        # And the message waits in A's transmission queue
+        assert len(a.fetch("outgoing_list", limit=100)) == 1
+        if answer == "replayed WELCOME":
+            rejected = [
+                r["detail"]
+                for r in a.fetch("transport_event_list", limit=100)
+                if r["event_type"] == "CONNECTION_REJECTED"
+            ]
+            assert any("replayed or forged WELCOME" in d for d in rejected)
+    finally:
+        fake.close()
+
+
+def test_a_replayed_hello_gets_no_further_than_its_welcome(pair: tuple[Broker, Broker]) -> None:
+    a, b = pair
+    # Given a genuine exchange recorded on the wire (HELLO, CONFIRM, a message, from A)
+    with recorded_exchange(a, b) as recorder:
+        sent = bytes(recorder.streams[0]["out"])
+    hello = first_of(sent, frames.Kind.HELLO)
+    confirm = first_of(sent, frames.Kind.CONFIRM)
+    message = first_of(sent, frames.Kind.MESSAGE)
+    # And a reply B holds for A while A is away, routed to the address A's HELLO
+    # advertised (B would carry it on a connection from A instead of dialling back)
+    _, _, _, head, _ = frames.PREFIX.unpack(hello[: frames.PREFIX.size])
+    listen = json.loads(hello[frames.PREFIX.size : frames.PREFIX.size + head])["listen"]
+    b.create_route("to initiator", INITIATOR, listen)
+    [request] = b.receive(B_QUEUE)
+    b.send(request.conversation_handle, REPLY, SECRET)
+    with TransportEndpoint(b, **OPTIONS) as eb:
+        # When someone replays A's HELLO, then A's recorded CONFIRM and a flood of frames
+        for _ in range(3):
+            with socket.create_connection(host_port(eb.address), timeout=10) as sock:
+                sock.sendall(hello)
+                got = bytearray()
+                while len(split_frames(bytes(got))) < 1:
+                    chunk = sock.recv(65536)
+                    assert chunk, "closed before its WELCOME"
+                    got.extend(chunk)
+                with contextlib.suppress(OSError):
+                    sock.sendall(
+                        confirm
+                        + message
+                        + frames.encode(frames.Kind.ACK, {"a": []}, None, b"k" * 32) * 200
+                    )
+                    while chunk := sock.recv(65536):
+                        got.extend(chunk)
+                # Then B answered with a WELCOME and closed the connection: nothing else
+                assert [k for k, _ in split_frames(bytes(got))] == [frames.Kind.WELCOME]
+                assert SECRET not in got
+
+        # With one event per connection, naming the failed proof
+        def rejected() -> list[str]:
+            return [
+                r["detail"]
+                for r in b.fetch("transport_event_list", limit=1000)
+                if r["event_type"] in ("CONNECTION_REJECTED", "CORRUPTED_MESSAGE")
+            ]
+
+        poll(lambda: len(rejected()) >= 3, 10, "three rejections", explain=rejected)
+        assert len(rejected()) == 3
+        assert all("did not prove it holds the transport key" in d for d in rejected())
+        # And the replayed message was not taken a second time, the reply still waits
+        assert b.peek(B_QUEUE) == []
+        assert len(b.fetch("outgoing_list", limit=100)) == 1
