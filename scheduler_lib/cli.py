@@ -236,6 +236,10 @@ def _transport_endpoint(broker: Broker, args: argparse.Namespace) -> transport.T
         retry_initial=args.retry_initial,
         retry_max=args.retry_max,
         idle_timeout=args.idle_timeout,
+        max_connections=args.max_connections,
+        max_handshakes=args.max_handshakes,
+        events_retention=args.events_retention,
+        events_max=args.events_max,
     )
 
 
@@ -735,6 +739,30 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=transport.endpoint.IDLE_TIMEOUT,
         help="seconds without traffic before a connection is closed",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=transport.endpoint.MAX_CONNECTIONS,
+        help="inbound transport connections at once (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-handshakes",
+        type=_positive_int,
+        default=transport.endpoint.MAX_HANDSHAKES,
+        help="inbound connections still proving the key at once (default %(default)s)",
+    )
+    serve.add_argument(
+        "--events-retention",
+        type=_positive_seconds,
+        default=transport.endpoint.EVENTS_RETENTION,
+        help="seconds transport events are kept (default 7 days)",
+    )
+    serve.add_argument(
+        "--events-max",
+        type=_positive_int,
+        default=transport.endpoint.EVENTS_MAX,
+        help="transport events kept at most, the newest (default %(default)s)",
     )
     serve.set_defaults(run=_serve)
 

@@ -9,19 +9,24 @@ its first other frame, with one event, and carries none of our messages)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
+import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from multiproc import poll
 from transport_catalog import CONTRACT, FAST_RETRY, INITIATOR, KEY, REPLY, REQUEST, TARGET
 from transport_catalog import TARGET_QUEUE as B_QUEUE
 
-from scheduler_lib.broker import Broker
-from scheduler_lib.broker.transport import TransportEndpoint, frames
+from bench.processes import Processes
+from scheduler_lib.broker import Broker, InvalidArgument
+from scheduler_lib.broker.transport import TransportEndpoint, delivery, endpoint, frames, reports
 
 OPTIONS = {"key": KEY, "listen": "127.0.0.1:0", **FAST_RETRY}
 SECRET = b"the body nobody else may read"
@@ -38,6 +43,12 @@ def split_frames(data: bytes) -> list[tuple[int, bytes]]:
         out.append((kind, data[:size]))
         data = data[size:]
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def host_port(address: str | None) -> tuple[str, int]:
@@ -251,3 +262,151 @@ def test_a_replayed_hello_gets_no_further_than_its_welcome(pair: tuple[Broker, B
         # And the replayed message was not taken a second time, the reply still waits
         assert b.peek(B_QUEUE) == []
         assert len(b.fetch("outgoing_list", limit=100)) == 1
+
+
+# --- bounded resources -------------------------------------------------------------------
+
+FLOOD_CONNECTIONS = 2000  # keyless connections, each holding a half-sent HELLO open
+REPLAYED = 150  # connections opening with a replayed HELLO, then announcing 16 MiB
+RSS_GROWTH_MAX = 64 * 1024 * 1024  # bytes the endpoint's peak RSS may grow in the flood
+DELIVERY_DEADLINE = 60.0  # seconds real traffic may take during the flood (~1 s without)
+
+
+def rss_kib(pid: int, field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` (the peak) of a process, in KiB."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def flood(address: tuple[str, int], hello: bytes, stop: threading.Event, opened: list[int]) -> None:
+    """Strangers without the key, until ``stop``: connections that send half a HELLO
+    announcing a 60 KB header and hold it open (the newest :data:`FLOOD_CONNECTIONS` of
+    them), connections that replay a recorded HELLO, then announce a 16 MiB frame and
+    send 1 MB of it, and garbage. ``opened[0]`` counts the connections it opened."""
+    held: collections.deque[socket.socket] = collections.deque()
+    half = frames.PREFIX.pack(frames.MAGIC, frames.Kind.HELLO, 0, 60_000, 0) + b"x" * 1024
+    huge = frames.PREFIX.pack(frames.MAGIC, frames.Kind.CONFIRM, 0, 10, 16 * 1024 * 1024)
+    megabyte = b"y" * (1024 * 1024)
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                sock = socket.create_connection(address, timeout=5)
+                opened[0] += 1
+                held.append(sock)
+                if opened[0] % 10 == 0 and opened[0] // 10 <= REPLAYED:
+                    sock.settimeout(0.5)
+                    sock.sendall(hello + huge + megabyte)
+                elif opened[0] % 7 == 0:
+                    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                else:
+                    sock.sendall(half)
+            while len(held) > FLOOD_CONNECTIONS:
+                held.popleft().close()
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_flood_of_strangers_is_bounded_and_real_traffic_still_flows(
+    pair: tuple[Broker, Broker], pair_urls: tuple[str, str], tmp_path: Path
+) -> None:
+    a, b = pair
+    with recorded_exchange(a, b) as recorder:
+        hello = first_of(bytes(recorder.streams[0]["out"]), frames.Kind.HELLO)
+    port = free_port()
+    env = {**os.environ, "SCHEDULER_LIB_TRANSPORT_KEY": KEY}
+    with Processes(tmp_path, env) as processes:
+        # Given B's endpoint as `scheduler-lib serve --listen`, with its default limits
+        serve = processes.start(
+            "serve-b", "serve", "--db", pair_urls[1], "--listen", f"127.0.0.1:{port}"
+        )
+        processes.wait_said(serve, "listening at", 60)
+        baseline = rss_kib(serve.pid, "VmRSS")
+        before = len(b.fetch("transport_event_list", limit=100_000))
+
+        def events_since() -> int:
+            return len(b.fetch("transport_event_list", limit=100_000)) - before
+
+        # When strangers open thousands of connections at it
+        stop = threading.Event()
+        opened = [0]
+        flooding = threading.Thread(target=flood, args=(("127.0.0.1", port), hello, stop, opened))
+        flooding.start()
+        try:
+            poll(lambda: opened[0] >= FLOOD_CONNECTIONS, 120, "the flood under way")
+            # Then a broker with the key still gets through to it, while the flood goes on
+            with TransportEndpoint(a, **OPTIONS):
+                a.create_route("to b", TARGET, f"tcp://127.0.0.1:{port}")
+                handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+                for i in range(20):
+                    a.send(handle, REQUEST, b"%d" % i)
+                poll(
+                    lambda: len(b.peek(B_QUEUE)) >= 21,
+                    DELIVERY_DEADLINE,
+                    "20 messages delivered during the flood",
+                )
+                assert flooding.is_alive(), "the flood ended before the delivery"
+        finally:
+            stop.set()
+            flooding.join(60)
+        # And its memory stayed bounded (its peak, measured by the kernel)
+        grown = rss_kib(serve.pid, "VmHWM") - baseline
+        assert grown * 1024 < RSS_GROWTH_MAX, f"peak RSS grew by {grown} KiB"
+        processes.check_alive(serve)
+    # And its events say how many it refused without a row per connection: a few one by
+    # one, then counts (written when the minute ends, or as the endpoint stops)
+    rows = b.fetch("transport_event_list", limit=100_000)[: -before or None]
+    assert len(rows) <= 3 * reports.PER_WINDOW + 3, [r["detail"] for r in rows]
+    counted = [
+        r["detail"] for r in rows if " more rejected connections from 127.0.0.1" in r["detail"]
+    ]
+    assert counted, [r["detail"] for r in rows]
+
+
+def test_transport_events_are_kept_within_their_retention(
+    pair: tuple[Broker, Broker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, b = pair
+    now = time.time()
+    # Given 300 events, 100 of them older than a day
+    old = [(now - 2 * 86400 + i, "CONNECTION_REJECTED", "10.0.0.1:1", "old") for i in range(100)]
+    new = [(now - 100 + i * 0.1, "CONNECTION_REJECTED", "10.0.0.1:1", "new") for i in range(200)]
+    delivery.record_events(b, old + new)
+    monkeypatch.setattr(endpoint, "PRUNE_INTERVAL", 0.2)
+    # When an endpoint keeping a day, 50 rows at most, runs
+    with TransportEndpoint(b, **OPTIONS, events_retention=86400, events_max=50):
+        # Then the old ones go, and all but the newest 50 of the rest
+        poll(
+            lambda: len(b.fetch("transport_event_list", limit=1000)) == 50,
+            30,
+            "50 events left",
+        )
+    kept = b.fetch("transport_event_list", limit=1000)
+    assert {r["detail"] for r in kept} == {"new"}
+    assert min(r["occurred_at"] for r in kept) == pytest.approx(new[150][0])
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"idle_timeout": float("nan")},
+        {"idle_timeout": 0},
+        {"retry_max": float("inf")},
+        {"events_retention": -1},
+        {"window": 0},
+        {"max_connections": 0},
+        {"max_handshakes": 1.5},
+        {"events_max": True},
+    ],
+    ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
+)
+def test_nonsensical_settings_are_refused_by_name(
+    pair: tuple[Broker, Broker], setting: dict[str, object]
+) -> None:
+    _, b = pair
+    [(name, _)] = setting.items()
+    with pytest.raises(InvalidArgument, match=name):
+        TransportEndpoint(b, key=KEY, listen=None, **setting)  # type: ignore[arg-type]

@@ -1078,6 +1078,16 @@ VALUES (:now, :event_type, :peer, :detail);
 -- The newest transport events first.
 SELECT * FROM transport_events ORDER BY event_id DESC LIMIT :limit;
 
+-- name: transport_events_prune_age
+-- Transport events older than their retention.
+DELETE FROM transport_events WHERE occurred_at < :before;
+
+-- name: transport_events_prune_count
+-- All but the newest :keep transport events.
+DELETE FROM transport_events WHERE event_id <= (
+    SELECT event_id FROM transport_events ORDER BY event_id DESC LIMIT 1 OFFSET :keep
+);
+
 -- name: transport_connections_clear
 -- An endpoint's connections are written anew (or it stopped).
 DELETE FROM transport_connections WHERE endpoint_id = :endpoint_id;

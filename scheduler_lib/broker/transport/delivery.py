@@ -490,6 +490,16 @@ def record_events(broker: Broker, events: Sequence[tuple[float, str, str | None,
             tx._wrote = True
 
 
+def prune_events(broker: Broker, before: float, keep: int) -> int:
+    """Remove transport events older than ``before`` and all but the newest ``keep``;
+    how many went."""
+    with broker.transaction() as tx:
+        gone = tx._count("transport_events_prune_age", before=before)
+        gone += tx._count("transport_events_prune_count", keep=keep)
+        tx._wrote = tx._wrote or gone > 0
+        return gone
+
+
 def prune_closed(broker: Broker, now: float, retention: float = CLOSED_RETENTION) -> int:
     """Remove remote conversations' closed endpoints older than ``retention`` seconds."""
     with broker.transaction() as tx:

@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import secrets
 import ssl
 import threading
@@ -32,7 +33,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from scheduler_lib.broker import exceptions, routes, wakeup
-from scheduler_lib.broker.transport import delivery, frames
+from scheduler_lib.broker.transport import delivery, frames, reports
 from scheduler_lib.broker.transport.links import Link, Outgoing
 
 if TYPE_CHECKING:
@@ -64,6 +65,10 @@ PRUNE_INTERVAL = 60.0  # seconds between removals of old closed remote endpoints
 CONNECTIONS_INTERVAL = 2.0  # seconds between writes of the connections view
 CONNECTIONS_STALE = 30.0  # seconds after which a silent endpoint's rows are removed
 WRITE_BUFFER_HIGH = 1024 * 1024  # bytes buffered on a socket before the writer waits
+MAX_CONNECTIONS = 64  # inbound connections at once (in their handshake or served)
+MAX_HANDSHAKES = 16  # inbound connections still in their handshake at once
+EVENTS_RETENTION = 7 * 24 * 3600.0  # seconds transport_events rows are kept
+EVENTS_MAX = 100_000  # transport_events rows kept at most (the newest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +163,11 @@ class TransportEndpoint:
     :param fragment_size: bytes of body per fragment
     :param idle_timeout: seconds without traffic before a connection is closed
     :param window: messages in flight at most
+    :param max_connections: inbound connections at once; more are closed as they come
+    :param max_handshakes: inbound connections still in their handshake at once (what a
+        stranger without the key can hold open); a newer one closes the oldest
+    :param events_retention: seconds a ``transport_events`` row is kept
+    :param events_max: ``transport_events`` rows kept at most (the newest)
     """
 
     def __init__(
@@ -174,6 +184,10 @@ class TransportEndpoint:
         fragment_size: int = FRAGMENT_SIZE,
         idle_timeout: float = IDLE_TIMEOUT,
         window: int = WINDOW,
+        max_connections: int = MAX_CONNECTIONS,
+        max_handshakes: int = MAX_HANDSHAKES,
+        events_retention: float = EVENTS_RETENTION,
+        events_max: int = EVENTS_MAX,
     ) -> None:
         self._broker = broker
         self._key = _transport_key(key)
@@ -183,9 +197,20 @@ class TransportEndpoint:
         self._advertise = advertise
         self._server_ssl = server_ssl
         self._client_ssl = client_ssl
-        for name, value in (("retry_initial", retry_initial), ("retry_max", retry_max)):
-            if not value > 0:
-                raise exceptions.InvalidArgument(f"{name} must be > 0 seconds, got {value!r}")
+        for name, value in (
+            ("retry_initial", retry_initial),
+            ("retry_max", retry_max),
+            ("idle_timeout", idle_timeout),
+            ("events_retention", events_retention),
+        ):
+            _check_seconds(name, value)
+        for name, count in (
+            ("window", window),
+            ("max_connections", max_connections),
+            ("max_handshakes", max_handshakes),
+            ("events_max", events_max),
+        ):
+            _check_count(name, count)
         if retry_max < retry_initial:
             raise exceptions.InvalidArgument("retry_max must not be below retry_initial")
         if fragment_size < 1024:
@@ -197,6 +222,10 @@ class TransportEndpoint:
         self.fragment_size = min(fragment_size, frames.MAX_BODY)
         self.idle_timeout = idle_timeout
         self.window = window
+        self.max_connections = max_connections
+        self.max_handshakes = max_handshakes
+        self.events_retention = events_retention
+        self.events_max = events_max
         self.broker_instance = broker.broker_instance
         self.address: str | None = None  # tcp://host:port once listening
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -219,6 +248,10 @@ class TransportEndpoint:
         self._dirty_statuses: set[int] = set()  # statuses not written yet
         self._inflight: dict[int, Outgoing] = {}
         self._events: list[tuple[float, str, str | None, str]] = []
+        self._reports = reports.Reports(lambda *event: self._events.append(event))
+        self._inbound = 0  # inbound connections open (in their handshake or served)
+        # Inbound connections in their handshake, oldest first -> their peer
+        self._handshakes: dict[asyncio.StreamWriter, str] = {}
         self._honor_priority = False
         # Shared with the loader thread.
         self._known_lock = threading.Lock()
@@ -321,6 +354,7 @@ class TransportEndpoint:
                 if link.dialing is not None:
                     link.dialing.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._reports.flush(time.time(), force=True)
             await self._flush_writes()
             with contextlib.suppress(Exception):  # the view must not outlive us
                 await self._write_connections(time.time() + CONNECTIONS_INTERVAL)
@@ -548,7 +582,7 @@ class TransportEndpoint:
                     if error != link.last_error:
                         log.warning("transport: %s", error)
                         if isinstance(exc, HandshakeRefused):
-                            self._event("CONNECTION_REJECTED", link.address, str(exc))
+                            self._event("CONNECTION_REJECTED", link.address, str(exc), None)
                     link.last_error = error
                     for message in link.messages.values():
                         self._status(message, error, 0)
@@ -637,6 +671,31 @@ class TransportEndpoint:
         :data:`CONNECT_TIMEOUT` of its opening."""
         peername = writer.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if peername else "?"
+        if self._inbound >= self.max_connections:
+            reason = f"too many connections ({self._inbound} open, the limit)"
+            self._reject_connection(writer, peer, reason)
+            return
+        if len(self._handshakes) >= self.max_handshakes:
+            # The oldest goes, not the newcomer: a peer with the key finishes its handshake
+            # in two round trips, so strangers who hold every place (they cannot finish)
+            # keep nobody out for longer than it takes to open that many connections.
+            oldest, who = next(iter(self._handshakes.items()))
+            del self._handshakes[oldest]
+            reason = f"still in its handshake when {self.max_handshakes} newer ones came"
+            self._reject_connection(oldest, who, reason)
+        self._inbound += 1
+        try:
+            served = await self._handshake_inbound(reader, writer, peer)
+        except BaseException:
+            self._inbound -= 1
+            raise
+        if not served:
+            self._inbound -= 1
+
+    async def _handshake_inbound(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
+    ) -> bool:
+        """The acceptor's handshake of one connection; whether it is served now."""
         step = "its HELLO"
 
         async def handshake() -> tuple[str, Any, frames.HandshakeKeys]:
@@ -672,6 +731,7 @@ class TransportEndpoint:
                 raise frames.CorruptFrame(confirm.kind, 0)
             return peer_broker, listen, keys
 
+        self._handshakes[writer] = peer
         try:
             peer_broker, listen, keys = await asyncio.wait_for(handshake(), CONNECT_TIMEOUT)
         except frames.CorruptFrame:
@@ -681,21 +741,23 @@ class TransportEndpoint:
                 else "it did not prove it holds the transport key (a replayed HELLO?)"
             )
             self._reject_connection(writer, peer, reason)
-            return
+            return False
         except frames.GarbageFrame as exc:
             self._reject_connection(writer, peer, f"garbage instead of {step}: {exc}")
-            return
+            return False
         except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
             self._reject_connection(
                 writer, peer, f"no {step.removeprefix('its ')} within {CONNECT_TIMEOUT:g} s"
             )
-            return
+            return False
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             log.info(
                 "transport: connection from %s ended before %s (%s)", peer, step, _describe(exc)
             )
             writer.close()
-            return
+            return False
+        finally:
+            self._handshakes.pop(writer, None)
         conn = Connection(
             reader,
             writer,
@@ -707,6 +769,7 @@ class TransportEndpoint:
         )
         self._serve(conn)
         self._adopt(conn)
+        return True
 
     def _adopt(self, conn: Connection) -> None:
         """An inbound connection proved itself: carry our messages for the address it
@@ -719,8 +782,8 @@ class TransportEndpoint:
             self._attach(link, conn)
 
     def _reject_connection(self, writer: asyncio.StreamWriter, peer: str, reason: str) -> None:
-        log.warning("transport: rejected a connection from %s: %s", peer, reason)
-        self._event("CONNECTION_REJECTED", peer, reason)
+        line = f"transport: rejected a connection from {peer}: {reason}"
+        self._event("CONNECTION_REJECTED", peer, reason, line)
         writer.close()
 
     # --- a connection's reader and writer ----------------------------------------------
@@ -740,8 +803,8 @@ class TransportEndpoint:
                     frame = await frames.read(conn.reader, conn.receive_key)
                 except frames.CorruptFrame as exc:
                     conn.corrupted += 1
-                    log.warning("transport: dropped a corrupted frame from %s: %s", conn.peer, exc)
-                    self._event("CORRUPTED_MESSAGE", conn.peer, str(exc))
+                    line = f"transport: dropped a corrupted frame from {conn.peer}: {exc}"
+                    self._event("CORRUPTED_MESSAGE", conn.peer, str(exc), line)
                     continue
                 conn.last_activity = conn.last_received = time.time()
                 conn.frames_received += 1
@@ -752,8 +815,8 @@ class TransportEndpoint:
                     await self._incoming.put((fragment, conn))  # waits while storing lags
         except frames.GarbageFrame as exc:
             reason = f"garbage on the connection: {exc}"
-            log.warning("transport: closing the connection with %s: %s", conn.peer, reason)
-            self._event("CONNECTION_REJECTED", conn.peer, reason)
+            line = f"transport: closing the connection with {conn.peer}: {reason}"
+            self._event("CONNECTION_REJECTED", conn.peer, reason, line)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, ssl.SSLError) as exc:
             reason = _describe(exc)
         except asyncio.CancelledError:
@@ -848,6 +911,8 @@ class TransportEndpoint:
             return
         conn.closed = True
         self._connections.discard(conn)
+        if conn.direction == "inbound":
+            self._inbound -= 1
         conn.wake.set()
         log.info("transport: connection with %s closed: %s", conn.peer, reason)
         with contextlib.suppress(Exception):
@@ -899,8 +964,9 @@ class TransportEndpoint:
             self._statuses[message.message_id] = (status, counted)
             self._dirty_statuses.add(message.message_id)
 
-    def _event(self, kind: str, peer: str | None, detail: str) -> None:
-        self._events.append((time.time(), kind, peer, detail))
+    def _event(self, kind: str, peer: str | None, detail: str, line: str | None) -> None:
+        """An event and its log line (``None``: none), at a bounded rate per peer host."""
+        self._reports.report(time.time(), kind, peer, detail, line)
 
     # --- arriving fragments ------------------------------------------------------------
 
@@ -923,7 +989,7 @@ class TransportEndpoint:
                 if outcome == delivery.NOT_YET:
                     continue  # neither taken nor refused: the sender tries again later
                 if outcome is not None:
-                    self._event("MESSAGE_REJECTED", conn.peer, outcome)
+                    self._event("MESSAGE_REJECTED", conn.peer, outcome, None)
                 if conn.closed:
                     continue  # its acknowledgement is lost with it; the copy will be acked
                 if outcome is None:
@@ -977,13 +1043,20 @@ class TransportEndpoint:
                 # Messages wait and the peer has said nothing for that long: a dead peer
                 # whose socket never reset. Another connection may do better.
                 await self._close(conn, f"nothing received for {stall:g} s with messages waiting")
+        self._reports.flush(now)
         await self._flush_writes()
         if now - self._connections_written_at >= CONNECTIONS_INTERVAL:
             await self._write_connections(now)
         if now - last_prune > PRUNE_INTERVAL:
             last_prune = now
-            await asyncio.get_running_loop().run_in_executor(
-                self._writes, delivery.prune_closed, self._broker, now
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._writes, delivery.prune_closed, self._broker, now)
+            await loop.run_in_executor(
+                self._writes,
+                delivery.prune_events,
+                self._broker,
+                now - self.events_retention,
+                self.events_max,
             )
         return last_prune
 
@@ -1036,6 +1109,18 @@ class TransportEndpoint:
             log.warning("transport: writing to the database failed; trying again", exc_info=True)
             self._acked[:0] = acked
             self._events[:0] = events
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise exceptions.InvalidArgument(
+            f"{name} must be a finite number of seconds > 0, got {value!r}"
+        )
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise exceptions.InvalidArgument(f"{name} must be an integer >= 1, got {value!r}")
 
 
 class HandshakeRefused(ConnectionError):

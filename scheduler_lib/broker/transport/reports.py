@@ -1,0 +1,90 @@
+"""What the endpoint refuses, told at a bounded rate: transport events and their log lines.
+
+A stranger can cause a refusal per connection, and a broken peer one per frame; told one
+by one, a flood of them would fill the disk (``transport_events``) and the log. So per
+event kind and peer host, the first :data:`PER_WINDOW` of each :data:`WINDOW` seconds are
+told one by one, and the rest as one line and one event when the window ends ("1,204 more
+corrupted frames from 10.0.0.7 in the last minute")."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger("scheduler_lib.broker.transport.endpoint")
+
+PER_WINDOW = 10  # events told one by one per kind and peer host in each window
+WINDOW = 60.0  # seconds
+MAX_SOURCES = 1000  # (kind, host) pairs followed one by one; beyond, counted together
+WHAT = {
+    "CONNECTION_REJECTED": "rejected connections",
+    "CORRUPTED_MESSAGE": "corrupted frames",
+    "MESSAGE_REJECTED": "refused messages",
+}
+
+Record = Callable[[float, str, str | None, str], None]  # (when, kind, peer, detail)
+
+
+@dataclasses.dataclass
+class _Window:
+    started: float
+    told: int = 0
+    held: int = 0  # not told one by one: counted
+    peer: str | None = None
+    last: str = ""
+
+
+def host_of(peer: str | None) -> str:
+    """The host of a ``host:port`` peer (a stranger reconnects from new ports); a dialled
+    ``tcp://`` address as it is."""
+    if peer is None or peer.startswith("tcp://"):
+        return peer or "?"
+    return peer.rsplit(":", 1)[0]
+
+
+class Reports:
+    """The endpoint's events and warnings, each source told at a bounded rate.
+
+    :param record: keeps an event (the endpoint writes them in batches)
+    """
+
+    def __init__(self, record: Record) -> None:
+        self._record = record
+        self._windows: dict[tuple[str, str], _Window] = {}
+
+    def report(
+        self, now: float, kind: str, peer: str | None, detail: str, line: str | None
+    ) -> None:
+        """An event of ``kind`` from ``peer``, with its log line (``None``: event only)."""
+        key = (kind, host_of(peer))
+        if key not in self._windows and len(self._windows) >= MAX_SOURCES:
+            key = (kind, "*")  # so many hosts at once: one count for all of them
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = _Window(started=now)
+        if window.told < PER_WINDOW:
+            window.told += 1
+            if line is not None:
+                log.warning("%s", line)
+            self._record(now, kind, peer, detail)
+            return
+        window.held += 1
+        window.peer, window.last = peer, detail
+
+    def flush(self, now: float, *, force: bool = False) -> None:
+        """Tell the counts of the windows that have ended (all of them with ``force``)."""
+        for key, window in list(self._windows.items()):
+            if not force and now - window.started < WINDOW:
+                continue
+            del self._windows[key]
+            if window.held:
+                kind, host = key
+                what = WHAT.get(kind, kind)
+                seconds = now - window.started
+                text = (
+                    f"{window.held:,} more {what} from {host} in the last {seconds:.0f} s, "
+                    f"not recorded one by one (the last: {window.last})"
+                )
+                log.warning("transport: %s", text)
+                self._record(now, kind, window.peer, text)
