@@ -27,6 +27,7 @@ STATS = (
     "delayed",
     "corrupted",
     "cuts",
+    "stalls",
     "garbage_bytes",
 )
 
@@ -44,6 +45,9 @@ class Faults:
     max_delay: float = 0.05
     corrupt: float = 0.0  # one byte after the prefix flipped: framing intact, HMAC broken
     cut: float = 0.0  # the whole connection closed right then
+    # From this frame on, nothing more goes either way, and the connection stays open: a
+    # peer gone without a reset (a pulled cable, a NAT that forgot the connection).
+    stall: float = 0.0
     reorder_hold: float = 0.05  # seconds a held frame waits for a next one at most
     spare_handshake: bool = True  # HELLO / WELCOME go through untouched
 
@@ -75,6 +79,7 @@ class FaultProxy:
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._pairs: set[Pair] = set()
+        self._stalled: set[Pair] = set()  # connections that forward nothing any more
         self._handlers: set[asyncio.Task[None]] = set()
         self._error: BaseException | None = None
 
@@ -195,6 +200,7 @@ class FaultProxy:
 
     def _close(self, pair: Pair) -> None:
         self._pairs.discard(pair)
+        self._stalled.discard(pair)
         for w in pair:
             with contextlib.suppress(Exception):
                 w.close()
@@ -239,6 +245,12 @@ class FaultProxy:
                     self._stats["cuts"] += 1
                     self._close(pair)
                     return
+                if pair in self._stalled:
+                    continue
+                if rng.random() < faults.stall:
+                    self._stats["stalls"] += 1
+                    self._stalled.add(pair)
+                    continue
                 if rng.random() < faults.drop:
                     self._stats["dropped"] += 1
                     continue
