@@ -148,7 +148,8 @@ class RouteOperations:
             return Route.from_row(_required(tx, name))
 
     def drop_route(self, name: str) -> None:
-        """DROP ROUTE. Messages waiting for it stay in the transmission queue.
+        """DROP ROUTE. Messages waiting for it stay in the transmission queue; a running
+        endpoint stops sending them (within a couple of seconds) until a route is found.
 
         :raises NotFound: for an unknown route
         """

@@ -53,7 +53,9 @@ class Faults:
 
 
 class FaultProxy:
-    """Forwards connections from its own port to ``target``, faulting frames.
+    """Forwards connections from its own port to ``target``, faulting frames: those the
+    target sends back by ``answer_faults`` when given (acknowledgements lost, say, while
+    messages get through), else by ``faults`` like the others.
 
     Each direction of each connection draws its faults from its own generator, seeded by
     ``seed``, the connection's number and the direction, so a run's faults depend only on
@@ -67,9 +69,11 @@ class FaultProxy:
         *,
         seed: int = 0,
         listen_host: str = "127.0.0.1",
+        answer_faults: Faults | None = None,
     ) -> None:
         self.target = target
         self.faults = faults
+        self.answer_faults = answer_faults
         self.seed = seed
         self.listen_host = listen_host
         self._stats = dict.fromkeys(STATS, 0)
@@ -181,7 +185,7 @@ class FaultProxy:
             self._pairs.add(pair)
             await asyncio.gather(
                 self._pump(reader, up_writer, self._rng(number, "out"), pair),
-                self._pump(up_reader, writer, self._rng(number, "in"), pair),
+                self._pump(up_reader, writer, self._rng(number, "in"), pair, answers=True),
                 return_exceptions=True,
             )
         except asyncio.CancelledError:  # stop(): the connection ends here
@@ -211,6 +215,8 @@ class FaultProxy:
         writer: asyncio.StreamWriter,
         rng: random.Random,
         pair: Pair,
+        *,
+        answers: bool = False,
     ) -> None:
         held: list[bytes] = []
         flusher: asyncio.Task[None] | None = None
@@ -237,6 +243,8 @@ class FaultProxy:
                     return
                 self._stats["frames"] += 1
                 faults = self.faults
+                if answers and self.answer_faults is not None:
+                    faults = self.answer_faults
                 if faults.spare_handshake and frame[4] in HANDSHAKE:
                     writer.write(frame)
                     await writer.drain()

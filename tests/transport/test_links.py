@@ -67,3 +67,24 @@ def test_priority_first_when_honoured_and_the_starvation_guard() -> None:
     link.start_round(message(5, 1, priority=1), 0.0)
     link.start_round(message(6, 1, priority=9), 20.0)
     assert drain(link, now=20.0, honor=True, guard=10.0) == [(5, 0), (6, 0)]
+
+
+def test_a_message_that_leaves_a_link_has_nothing_left_in_line_there() -> None:
+    # Given a large message half written on one link, and a small one behind it
+    old, new = Link("tcp://x:1"), Link("tcp://y:2")
+    large, small = message(1, 4), message(2, 1)
+    for m in (large, small):
+        old.messages[m.message_id] = m
+        old.start_round(m, 0.0)
+    entry = old.pop(0.0, False, 10.0)
+    assert entry is not None
+    old.written(entry.message, entry.index, 0.0)
+    # When the large one leaves it (its route changed) and starts again on another link
+    old.remove(large)
+    large.address, large.pending = new.address, []
+    new.messages[large.message_id] = large
+    new.start_round(large, 0.0)
+    # Then the old link writes only the small one, the new one every fragment of it
+    assert drain(old) == [(2, 0)]
+    assert drain(new) == [(1, 0), (1, 1), (1, 2), (1, 3)]
+    assert 1 not in old.messages

@@ -13,7 +13,11 @@ It runs an asyncio loop in a thread of its own, next to whatever else the proces
   thread; each is acknowledged on the connection it came by once that transaction has
   committed — piggy-backed on the next outgoing frame there, or in an ACK frame alone;
 - an acknowledged message leaves the transmission queue; one that is not acknowledged in
-  time goes again, with exponential backoff.
+  time goes again, with exponential backoff;
+- the loader looks up the route of every service with messages in flight again once its
+  cached lookup is older than ``ROUTE_CACHE_TTL``: when it changed, the loop moves those
+  messages to the new address's link (every fragment goes again), and when it is gone,
+  stops sending them and lets them wait for a route.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ REJECTS_PER_FRAME = 100  # refusals per frame (reasons cut to REJECT_REASON_MAX 
 REJECT_REASON_MAX = 300
 INCOMING_MAX = 5000  # fragments waiting to be stored before readers stop reading
 HANDSHAKE_MAX_BODY = 0  # a HELLO has no body: a large one is not a peer
-ROUTE_CACHE_TTL = 1.0  # seconds a route lookup is trusted
+ROUTE_CACHE_TTL = 1.0  # seconds a route lookup is trusted (a changed route applies after it)
 TICK = 0.1  # seconds between looks for retransmissions and idle connections
 PRUNE_INTERVAL = 60.0  # seconds between removals of old closed remote endpoints
 CONNECTIONS_INTERVAL = 2.0  # seconds between writes of the connections view
@@ -252,6 +256,7 @@ class TransportEndpoint:
         self._inbound = 0  # inbound connections open (in their handshake or served)
         # Inbound connections in their handshake, oldest first -> their peer
         self._handshakes: dict[asyncio.StreamWriter, str] = {}
+        self._released: list[tuple[int, str, int, str, int]] = []  # statuses of unrouted ones
         self._honor_priority = False
         # Shared with the loader thread.
         self._known_lock = threading.Lock()
@@ -259,6 +264,8 @@ class TransportEndpoint:
         self._written_status: dict[int, str] = {}  # loader: last status it wrote per id
         self._route_cache: dict[str, tuple[float, routes.Route | None]] = {}
         self._unrouted: set[int] = set()  # loader: ids waiting for a route
+        # loader: (address, broker instance) each service's messages went to the loop with
+        self._handed_routes: dict[str, tuple[str, str | None]] = {}
         self._endpoint_id = str(uuid.uuid4())  # this running endpoint, in the connections view
         self._connections_written_at = 0.0
         self._connections_shown = False
@@ -368,6 +375,7 @@ class TransportEndpoint:
         while not self._stopping.is_set():
             seen = broker._wakeups.generation(wakeup.TRANSMISSION)
             try:
+                self._follow_routes()
                 read, cursor, last_rescan = self._load_once(cursor, last_rescan)
             except Exception:  # the loader must outlive a passing database error
                 log.warning("transport: reading the transmission queue failed", exc_info=True)
@@ -403,9 +411,10 @@ class TransportEndpoint:
         unrouted: list[tuple[int, str, int, str, int]] = []
         for row in rows:
             route = self._route(row["to_service_name"])
+            self._hand_route(row["to_service_name"], route)
             if route is None:
                 self._unrouted.add(row["message_id"])
-                status = f"no route to service {row['to_service_name']!r}"
+                status = _no_route(row["to_service_name"])
                 if self._written_status.get(row["message_id"]) != status:
                     self._written_status[row["message_id"]] = status
                     unrouted.append(
@@ -419,6 +428,7 @@ class TransportEndpoint:
                     )
             else:
                 self._unrouted.discard(row["message_id"])
+                self._written_status.pop(row["message_id"], None)  # the loop says from now
                 routed.append((row, route))
         if unrouted:
             delivery.set_statuses(self._broker, unrouted)
@@ -464,6 +474,31 @@ class TransportEndpoint:
             route = routes.remote_route(tx, service)
         self._route_cache[service] = (now, route)
         return route
+
+    def _follow_routes(self) -> None:
+        """Look up the route of every service whose messages are in flight again (each
+        at most once per ``ROUTE_CACHE_TTL``): the loop moves them when it changed."""
+        with self._known_lock:
+            if not self._known:
+                self._handed_routes.clear()  # nothing in flight that a change could move
+                return
+        for service in list(self._handed_routes):
+            self._hand_route(service, self._route(service))
+
+    def _hand_route(self, service: str, route: routes.Route | None) -> None:
+        """Note the route ``service``'s messages go to the loop with; when it is another
+        than the one those in flight got (or none), have the loop move them."""
+        previous = self._handed_routes.get(service)
+        way = None if route is None else (route.address, route.broker_instance)
+        if way == previous:
+            return
+        if way is None:
+            del self._handed_routes[service]
+        else:
+            self._handed_routes[service] = way
+        if previous is not None and self._loop is not None:
+            # Queued behind the messages handed before: the loop moves those too.
+            self._loop.call_soon_threadsafe(self._reroute, service, route)
 
     # --- sending (loop thread) ---------------------------------------------------------
 
@@ -527,21 +562,93 @@ class TransportEndpoint:
                 self._known.difference_update(m.message_id for m in gone)
 
     def _drop(self, message: Outgoing) -> None:
-        """Forget a message in flight (acknowledged, or gone from the database)."""
+        """Forget a message in flight (acknowledged, gone from the database, or its route
+        dropped)."""
         self._by_key.pop(message.key, None)
         self._inflight.pop(message.message_id, None)
         self._statuses.pop(message.message_id, None)
         link = self._links.get(message.address)
         if link is not None:
-            link.messages.pop(message.message_id, None)
+            link.remove(message)
+
+    def _reroute(self, service: str, route: routes.Route | None) -> None:
+        """``service``'s route changed: its messages in flight go the new way from now on
+        (each from its first fragment: the new address has none of them; the receiver
+        drops a copy it has), or, with no route left, stop going anywhere and wait in
+        the transmission queue until the loader finds one."""
+        now = time.time()
+        left: set[Link] = set()
+        released: list[Outgoing] = []
+        for message in [m for m in self._inflight.values() if m.to_service == service]:
+            old = self._links.get(message.address)
+            if route is not None and message.address == route.address:
+                continue
+            if old is not None:
+                left.add(old)
+            if route is None:
+                counted = self._statuses.get(message.message_id, ("", 0))[1]
+                self._drop(message)
+                released.append(message)
+                status = (message.message_id, message.handle, message.seq, _no_route(service))
+                self._released.append((*status, counted))
+                continue
+            if old is not None:
+                old.remove(message)
+            message.address = route.address
+            message.acked.clear()  # acknowledged by the old address: says nothing here
+            message.pending = []
+            message.due = None
+            message.rejected = None
+            message.backoff = self.retry_initial
+            link = self._link(route)
+            link.messages[message.message_id] = message
+            self._status(message, f"route changed: sending to {route.address}", 0)
+            if link.connection is not None:
+                link.start_round(message, now)
+                link.connection.wake.set()
+            else:
+                self._connect(link)
+        if route is not None and route.address in self._links:
+            # The way is another broker instance at the same address, or none.
+            self._expect(self._links[route.address], route.broker_instance)
+        for link in left:
+            if not link.has_work() and link.dialing is not None:
+                link.dialing.cancel()  # nothing to send there: no more attempts
+                link.dialing = None
+        if released:
+            log.info(
+                "transport: no route to service %r any more: %d messages wait for one",
+                service,
+                len(released),
+            )
+            with self._known_lock:  # the loader reads them again, and routes them anew
+                self._known.difference_update(m.message_id for m in released)
 
     def _link(self, route: routes.Route) -> Link:
         link = self._links.get(route.address)
         if link is None:
             link = self._links[route.address] = Link(route.address, route.broker_instance)
         elif route.broker_instance is not None:
-            link.expected_instance = route.broker_instance
+            self._expect(link, route.broker_instance)
         return link
+
+    def _expect(self, link: Link, instance: str | None) -> None:
+        """From now on the link sends only to broker ``instance`` (any, with ``None``): a
+        connection to another broker stops carrying its messages (it stays open for what
+        that broker sends us), and the next connection is checked in its handshake."""
+        link.expected_instance = instance
+        conn = link.connection
+        if conn is not None and not self._acceptable(link, conn):
+            log.info(
+                "transport: broker %s at %s is not the route's broker instance %s any more",
+                conn.peer_broker,
+                link.address,
+                instance,
+            )
+            link.connection = None
+            conn.link = None
+            if link.has_work():
+                self._connect(link)
 
     def _connect(self, link: Link) -> None:
         """Give the link a connection: adopt one the peer dialled, else dial."""
@@ -828,7 +935,7 @@ class TransportEndpoint:
         header = frame.header
         try:
             for c, i, s, f in header.get("a", ()):
-                self._on_ack((str(c), bool(i), int(s)), int(f))
+                self._on_ack((str(c), bool(i), int(s)), int(f), conn)
             for c, i, s, _f, reason in header.get("r", ()):
                 self._on_reject((str(c), bool(i), int(s)), str(reason), conn)
             if frame.kind is frames.Kind.MESSAGE:
@@ -929,10 +1036,12 @@ class TransportEndpoint:
 
     # --- acknowledgements and rejections -----------------------------------------------
 
-    def _on_ack(self, key: tuple[str, bool, int], index: int) -> None:
+    def _on_ack(self, key: tuple[str, bool, int], index: int, conn: Connection) -> None:
         message = self._by_key.get(key)
         if message is None or not 0 <= index < len(message.fragments):
             return
+        if conn.peer_address != message.address:
+            return  # from where the message went before its route changed
         message.acked.add(index)
         if message.done:
             self._drop(message)
@@ -940,8 +1049,8 @@ class TransportEndpoint:
 
     def _on_reject(self, key: tuple[str, bool, int], reason: str, conn: Connection) -> None:
         message = self._by_key.get(key)
-        if message is None:
-            return
+        if message is None or conn.peer_address != message.address:
+            return  # (see _on_ack)
         if message.rejected != reason:
             log.warning(
                 "transport: %s refused message %d of conversation %s: %s",
@@ -1084,7 +1193,7 @@ class TransportEndpoint:
         events — each in one transaction, off the loop."""
         loop = asyncio.get_running_loop()
         acked, self._acked = self._acked, []
-        dirty = []
+        dirty, self._released = self._released, []
         for message_id in self._dirty_statuses:
             message = self._inflight.get(message_id)
             if message is not None and message_id in self._statuses:
@@ -1125,6 +1234,11 @@ def _check_count(name: str, value: int) -> None:
 
 class HandshakeRefused(ConnectionError):
     """The far side failed the handshake: it did not prove the key, or is not our kind."""
+
+
+def _no_route(service: str) -> str:
+    """The status of a message whose service has no route (to another broker)."""
+    return f"no route to service {service!r}"
 
 
 def _other_version(version: object) -> str:

@@ -40,10 +40,16 @@ class Outgoing:
     due: float | None = None  # when unacknowledged fragments go again
     attempts: int = 0
     rejected: str | None = None  # the far broker's reason, while it refuses the message
+    line: int = 0  # bumped when it leaves a link: what it had in line there is void
 
     @property
     def key(self) -> tuple[str, bool, int]:
         return (self.conversation_id, self.from_initiator, self.seq)
+
+    @property
+    def to_service(self) -> str:
+        """The far service, whose route says where the message goes."""
+        return str(self.header["ts"])
 
     @property
     def done(self) -> bool:
@@ -55,6 +61,7 @@ class _Entry:
     message: Outgoing
     index: int
     queued_at: float
+    line: int  # the message's line when it was put in this one
     live: bool = True
 
 
@@ -89,7 +96,7 @@ class Link:
             message.due = now + message.backoff
 
     def _push(self, message: Outgoing, index: int, now: float) -> None:
-        entry = _Entry(message, index, now)
+        entry = _Entry(message, index, now, message.line)
         ticket = next(self._tickets)
         heapq.heappush(self._by_priority, (-message.priority, ticket, entry))
         heapq.heappush(self._by_age, (ticket, entry))
@@ -113,11 +120,23 @@ class Link:
     def _first_live(self, heap: list[Any]) -> Any:
         while heap:
             entry: _Entry = heap[0][-1]
-            if entry.live and not entry.message.done and entry.index not in entry.message.acked:
+            message = entry.message
+            if (
+                entry.live
+                and entry.line == message.line
+                and not message.done
+                and entry.index not in message.acked
+            ):
                 return heap[0]
             entry.live = False
             heapq.heappop(heap)
         return None
+
+    def remove(self, message: Outgoing) -> None:
+        """The message no longer goes this way (acknowledged, gone, or routed elsewhere):
+        its fragments still in line here are skipped, and none of its goes out here."""
+        self.messages.pop(message.message_id, None)
+        message.line += 1
 
     def has_work(self) -> bool:
         return bool(self.messages)
