@@ -137,6 +137,17 @@ class FaultProxy:
             return 0
         return future.result(timeout=5)
 
+    def stall_all(self) -> int:
+        """From now on every proxied connection forwards nothing, and stays open (a peer
+        gone without a reset); how many there were. New connections are not stalled."""
+        loop = self._loop
+        assert loop is not None
+        return asyncio.run_coroutine_threadsafe(self._stall_all(), loop).result(timeout=5)
+
+    async def _stall_all(self) -> int:
+        self._stalled.update(self._pairs)
+        return len(self._pairs)
+
     async def _cut_all(self) -> int:
         pairs = list(self._pairs)
         for pair in pairs:
@@ -243,6 +254,8 @@ class FaultProxy:
                     return
                 self._stats["frames"] += 1
                 faults = self.faults
+                if pair in self._stalled:
+                    continue
                 if answers and self.answer_faults is not None:
                     faults = self.answer_faults
                 if faults.spare_handshake and frame[4] in HANDSHAKE:
@@ -253,8 +266,6 @@ class FaultProxy:
                     self._stats["cuts"] += 1
                     self._close(pair)
                     return
-                if pair in self._stalled:
-                    continue
                 if rng.random() < faults.stall:
                     self._stats["stalls"] += 1
                     self._stalled.add(pair)

@@ -69,6 +69,8 @@ PRUNE_INTERVAL = 60.0  # seconds between removals of old closed remote endpoints
 CONNECTIONS_INTERVAL = 2.0  # seconds between writes of the connections view
 CONNECTIONS_STALE = 30.0  # seconds after which a silent endpoint's rows are removed
 WRITE_BUFFER_HIGH = 1024 * 1024  # bytes buffered on a socket before the writer waits
+PING_AFTER = 1.0  # seconds of silence, while messages wait, before the peer is PINGed
+PING_TIMEOUT = 5.0  # seconds a PING may wait for any frame back before the connection goes
 MAX_CONNECTIONS = 64  # inbound connections at once (in their handshake or served)
 MAX_HANDSHAKES = 16  # inbound connections still in their handshake at once
 EVENTS_RETENTION = 7 * 24 * 3600.0  # seconds transport_events rows are kept
@@ -120,6 +122,10 @@ class Connection:
         self.frames_sent = self.frames_received = 0
         self.bytes_sent = self.bytes_received = 0
         self.corrupted = 0
+        self.last_acked = 0.0  # when the peer last acknowledged one of our fragments here
+        self.ping_sent_at: float | None = None  # a PING waits for any frame back
+        self.ping_due = False  # a PING goes with the next frame
+        self.pong_due = False  # the peer PINGed: any frame answers
         self.acks: list[list[Any]] = []
         self.rejects: list[list[Any]] = []
         self.link: Link | None = None
@@ -696,6 +702,13 @@ class TransportEndpoint:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.retry_initial)
                     continue
+                if conn.closed:
+                    # It ended between the handshake and now (the far side refused our
+                    # CONFIRM, or a cut): a link holding it would wait on it for good.
+                    link.last_error = f"cannot connect to {link.address}: closed at once"
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.retry_initial)
+                    continue
                 link.dialing = None
                 self._attach(link, conn)
                 return
@@ -918,8 +931,7 @@ class TransportEndpoint:
                 conn.bytes_received += len(frame.body or b"") + frames.PREFIX.size
                 fragment = self._on_frame(conn, frame)
                 if fragment is not None:
-                    assert self._incoming is not None
-                    await self._incoming.put((fragment, conn))  # waits while storing lags
+                    await self._queue_incoming(fragment, conn)
         except frames.GarbageFrame as exc:
             reason = f"garbage on the connection: {exc}"
             line = f"transport: closing the connection with {conn.peer}: {reason}"
@@ -930,10 +942,33 @@ class TransportEndpoint:
             return
         await self._close(conn, reason)
 
+    async def _queue_incoming(self, fragment: delivery.Fragment, conn: Connection) -> None:
+        """Hand a fragment to the storing thread; while storing lags, wait (the reader
+        reads no more: backpressure) but keep telling the peer that we are alive — it
+        would take the silence for a dead connection and dial again, resending its
+        whole window to a broker already behind."""
+        assert self._incoming is not None
+        if not self._incoming.full():
+            self._incoming.put_nowait((fragment, conn))
+            return
+        put = asyncio.ensure_future(self._incoming.put((fragment, conn)))
+        try:
+            while not (await asyncio.wait({put}, timeout=PING_AFTER))[0]:
+                conn.pong_due = True
+                conn.wake.set()
+        finally:
+            put.cancel()  # done already, unless this reader itself was cancelled
+
     def _on_frame(self, conn: Connection, frame: frames.Frame) -> delivery.Fragment | None:
         """Act on a frame's acknowledgements and refusals; the fragment it carries."""
         header = frame.header
+        conn.ping_sent_at = None  # anything from the peer answers a PING
+        if header.get("p"):
+            conn.pong_due = True
+            conn.wake.set()
         try:
+            if header.get("a"):
+                conn.last_acked = conn.last_received
             for c, i, s, f in header.get("a", ()):
                 self._on_ack((str(c), bool(i), int(s)), int(f), conn)
             for c, i, s, _f, reason in header.get("r", ()):
@@ -966,6 +1001,11 @@ class TransportEndpoint:
                 await conn.wake.wait()
                 conn.wake.clear()
                 while not conn.closed:
+                    if writer.transport.is_closing():
+                        # Lost under us: what would be written now would only be counted
+                        # as sent. The link gets another connection.
+                        await self._close(conn, "the connection was lost")
+                        return
                     data = self._next_frame(conn)
                     if data is None:
                         break
@@ -992,12 +1032,25 @@ class TransportEndpoint:
         entry = None if link is None else link.pop(now, self._honor_priority, STARVATION_AFTER)
         acks = conn.acks[:ACKS_PER_FRAME]
         del conn.acks[: len(acks)]
+        ping = conn.ping_sent_at is None and conn.ping_due
+        if ping:
+            conn.ping_due, conn.ping_sent_at = False, now
         if entry is not None:
             assert link is not None
             message = entry.message
             header = dict(message.header, f=entry.index)
             if acks:
                 header["a"] = acks
+            if ping:
+                header["p"] = 1
+            conn.pong_due = False
+            if message.round_at is None:  # the round's first frame on a live connection
+                message.round_at = now
+                message.attempts += 1
+                if message.attempts > 1:
+                    self._status(
+                        message, f"not acknowledged; sent again (attempt {message.attempts})", 1
+                    )
             link.written(message, entry.index, now)
             return frames.encode(
                 frames.Kind.MESSAGE, header, message.fragments[entry.index], conn.send_key
@@ -1009,8 +1062,10 @@ class TransportEndpoint:
             if acks:
                 header["a"] = acks
             return frames.encode(frames.Kind.REJECT, header, None, conn.send_key)
-        if acks:
-            return frames.encode(frames.Kind.ACK, {"a": acks}, None, conn.send_key)
+        if acks or ping or conn.pong_due:
+            conn.pong_due = False
+            header = {"a": acks, "p": 1} if ping else {"a": acks}
+            return frames.encode(frames.Kind.ACK, header, None, conn.send_key)
         return None
 
     async def _close(self, conn: Connection, reason: str) -> None:
@@ -1061,10 +1116,10 @@ class TransportEndpoint:
             )
         message.rejected = reason
         message.pending = []
-        message.attempts += 1
+        message.line += 1  # what it still had in line goes with the next round, not now
         message.due = time.time() + message.backoff
         message.backoff = min(message.backoff * 2, self.retry_max)
-        self._status(message, f"refused by broker {conn.peer_broker}: {reason}", 1)
+        self._status(message, f"refused by broker {conn.peer_broker}: {reason}", 0)
 
     def _status(self, message: Outgoing, status: str, attempts: int) -> None:
         previous = self._statuses.get(message.message_id)
@@ -1123,35 +1178,44 @@ class TransportEndpoint:
         connections, write what was gathered, now and then prune old tombstones."""
         for link in self._links.values():
             woke = False
+            conn = link.connection
             for message in link.messages.values():
                 if message.due is not None and message.due <= now and not message.done:
-                    message.attempts += 1
-                    message.rejected = None
-                    message.backoff = min(message.backoff * 2, self.retry_max)
-                    if link.connection is not None:
-                        link.start_round(message, now)
-                        woke = True
+                    refused, message.rejected = message.rejected is not None, None
+                    if conn is None or conn.closed:
+                        # Sent into a connection that is gone: it goes again, from its
+                        # first unacknowledged fragment, on the next one (_attach).
+                        message.due = None
+                        continue
+                    if refused:
+                        pass  # the far broker said no: its wait doubled then (_on_reject)
+                    elif conn.last_acked < (message.round_at or now):
+                        # Nothing at all acknowledged since this round went: the peer
+                        # may be swamped or gone. Wait longer before the next.
+                        message.backoff = min(message.backoff * 2, self.retry_max)
                     else:
-                        message.due = now + message.backoff
-                    self._status(
-                        message,
-                        f"not acknowledged; sent again (attempt {message.attempts + 1})",
-                        1,
-                    )
-            if woke and link.connection is not None:
-                link.connection.wake.set()
+                        # The peer acknowledges the rest: this frame, or its
+                        # acknowledgement, was lost. Loss is no reason to wait longer.
+                        message.backoff = self.retry_initial
+                    link.start_round(message, now)
+                    woke = True
+            if woke and conn is not None:
+                conn.wake.set()
             if link.has_work() and link.connection is None:
                 self._connect(link)
-        stall = max(self.idle_timeout, 2 * self.retry_max)
+        silent = max(PING_AFTER, self.retry_initial)
         for conn in list(self._connections):
             carries = conn.link is not None and conn.link.connection is conn
             busy = carries and conn.link is not None and conn.link.has_work()
             if now - conn.last_activity > self.idle_timeout and not busy and not conn.acks:
                 await self._close(conn, f"idle for {self.idle_timeout:g} s")
-            elif busy and now - conn.last_received > stall:
-                # Messages wait and the peer has said nothing for that long: a dead peer
-                # whose socket never reset. Another connection may do better.
-                await self._close(conn, f"nothing received for {stall:g} s with messages waiting")
+            elif conn.ping_sent_at is not None and now - conn.ping_sent_at > PING_TIMEOUT:
+                # A peer gone without a reset (a pulled cable, a NAT that forgot us):
+                # its socket would take the kernel's minutes to fail. Dial again.
+                await self._close(conn, f"no answer to a PING for {PING_TIMEOUT:g} s")
+            elif busy and now - conn.last_received > silent and conn.ping_sent_at is None:
+                conn.ping_due = True  # messages wait and the peer has gone quiet: alive?
+                conn.wake.set()
         self._reports.flush(now)
         await self._flush_writes()
         if now - self._connections_written_at >= CONNECTIONS_INTERVAL:

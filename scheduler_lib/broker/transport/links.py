@@ -38,9 +38,10 @@ class Outgoing:
     acked: set[int] = dataclasses.field(default_factory=set)
     pending: list[int] = dataclasses.field(default_factory=list)  # to write this round
     due: float | None = None  # when unacknowledged fragments go again
-    attempts: int = 0
+    round_at: float | None = None  # when this round's first frame was written; None: not yet
+    attempts: int = 0  # rounds written to a live connection
     rejected: str | None = None  # the far broker's reason, while it refuses the message
-    line: int = 0  # bumped when it leaves a link: what it had in line there is void
+    line: int = 0  # bumped when it leaves a link or is refused: what it had in line is void
 
     @property
     def key(self) -> tuple[str, bool, int]:
@@ -83,6 +84,7 @@ class Link:
         """Send every fragment not yet acknowledged, in order, one in line at a time."""
         message.pending = [i for i in range(len(message.fragments)) if i not in message.acked]
         message.due = None
+        message.round_at = None
         if message.pending:
             self._push(message, message.pending[0], now)
 
