@@ -317,6 +317,45 @@ def test_tls_between_brokers(pair: tuple[Broker, Broker], tmp_path: Path) -> Non
         tls_contexts(str(tmp_path / "missing.pem"), key)
 
 
+@pytest.mark.parametrize("tls_side", ["acceptor", "dialler"])
+def test_a_tls_mismatch_is_named_on_both_sides(
+    pair: tuple[Broker, Broker], tmp_path: Path, tls_side: str
+) -> None:
+    a, b = pair
+    cert, key = _certificate(tmp_path)
+    server, client = tls_contexts(cert, key, ca=cert)
+    tls = {"server_ssl": server, "client_ssl": client}
+    # Given one endpoint with TLS and the other without
+    with (
+        TransportEndpoint(b, **OPTIONS, **(tls if tls_side == "acceptor" else {})) as eb,
+        TransportEndpoint(a, **OPTIONS, **(tls if tls_side == "dialler" else {})),
+    ):
+        # When the dialler tries to send
+        a.create_route("to target", TARGET, eb.address or "")
+        handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+        a.send(handle, REQUEST, b"x")
+        # Then its status names TLS, and the acceptor records the connection it refused
+        # as one that did (or did not) speak TLS
+        said = {"acceptor": "the peer uses TLS and this side does not", "dialler": "TLS"}
+        poll(
+            lambda: any(said[tls_side] in (s or "") for s in outgoing_status(a)),
+            30,
+            "the dialler's status names TLS",
+            explain=lambda: outgoing_status(a),
+        )
+        recorded = {
+            "acceptor": "a plain connection to a TLS endpoint",
+            "dialler": "a TLS handshake: the peer uses TLS and this side does not",
+        }
+        poll(
+            lambda: any(recorded[tls_side] in d for d in events(b, "CONNECTION_REJECTED")),
+            30,
+            "the acceptor's event names TLS",
+            explain=lambda: events(b, "CONNECTION_REJECTED"),
+        )
+        assert b.peek(B_QUEUE) == []
+
+
 # --- connections ---------------------------------------------------------------------------
 
 

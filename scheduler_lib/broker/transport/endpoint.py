@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import secrets
+import socket
 import ssl
 import threading
 import time
@@ -262,6 +263,8 @@ class TransportEndpoint:
         self._inbound = 0  # inbound connections open (in their handshake or served)
         # Inbound connections in their handshake, oldest first -> their peer
         self._handshakes: dict[asyncio.StreamWriter, str] = {}
+        self._peeking: dict[socket.socket, str] = {}  # TLS listener: before the TLS handshake
+        self._accepting: set[asyncio.Task[None]] = set()
         self._released: list[tuple[int, str, int, str, int]] = []  # statuses of unrouted ones
         self._honor_priority = False
         # Shared with the loader thread.
@@ -340,13 +343,23 @@ class TransportEndpoint:
         self._loop = asyncio.get_running_loop()
         self._stop_async = asyncio.Event()
         self._incoming = asyncio.Queue(INCOMING_MAX)
-        server = None
-        if self._listen is not None:
+        server: asyncio.Server | None = None
+        listener: socket.socket | None = None
+        tasks = []
+        if self._listen is not None and self._server_ssl is None:
             host, port = self._listen
-            server = await asyncio.start_server(self._on_inbound, host, port, ssl=self._server_ssl)
+            server = await asyncio.start_server(self._on_inbound, host, port)
             bound = server.sockets[0].getsockname()
             self.address = f"tcp://{host}:{bound[1]}"
-        tasks = [
+        elif self._listen is not None:
+            # TLS: accepted here, so that what comes first can be looked at before the TLS
+            # handshake (asyncio's own TLS server drops a failed one without a word).
+            host, port = self._listen
+            listener = socket.create_server((host, port))
+            listener.setblocking(False)
+            self.address = f"tcp://{host}:{listener.getsockname()[1]}"
+            tasks.append(asyncio.create_task(self._accept_loop(listener), name="transport-accept"))
+        tasks += [
             asyncio.create_task(self._deliver_loop(), name="transport-deliver"),
             asyncio.create_task(self._tick_loop(), name="transport-tick"),
         ]
@@ -359,6 +372,8 @@ class TransportEndpoint:
         finally:
             if server is not None:
                 server.close()
+            if listener is not None:
+                listener.close()
             for conn in list(self._connections):
                 await self._close(conn, "endpoint stopping")
             for task in tasks:
@@ -721,7 +736,15 @@ class TransportEndpoint:
         (frames.py): nothing but the HELLO is written before the far side has proved
         that it holds the transport key."""
         host, port = routes.parse_address(link.address)
-        reader, writer = await asyncio.open_connection(host, port, ssl=self._client_ssl)
+        try:
+            reader, writer = await asyncio.open_connection(host, port, ssl=self._client_ssl)
+        except (ssl.SSLError, ConnectionResetError, asyncio.IncompleteReadError) as exc:
+            if self._client_ssl is None:
+                raise
+            raise HandshakeRefused(
+                f"the TLS handshake failed ({_describe(exc)}): does the peer use TLS too, "
+                "with a certificate our CA signed?"
+            ) from None
         try:
             nonce = secrets.token_hex(frames.NONCE_BYTES)
             hello = {
@@ -740,7 +763,13 @@ class TransportEndpoint:
                 ) from None
             except frames.GarbageFrame as exc:
                 raise HandshakeRefused(f"the peer answered with {exc}") from None
-            except asyncio.IncompleteReadError as exc:
+            except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
+                partial = getattr(exc, "partial", b"")
+                if partial[:2] in frames.TLS_RECORDS:  # a TLS endpoint's alert
+                    raise HandshakeRefused(
+                        "the peer uses TLS and this side does not (give both endpoints TLS, "
+                        "--tls-cert/--tls-key/--tls-ca, or neither)"
+                    ) from None
                 raise ConnectionError(_closed_in_handshake(exc, self._client_ssl)) from None
             header = welcome.header
             if welcome.kind is not frames.Kind.WELCOME:
@@ -784,6 +813,83 @@ class TransportEndpoint:
         return conn
 
     # --- accepting (loop thread) -------------------------------------------------------
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        """Accept TLS connections: each is looked at (:meth:`_accepted`), then served."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # out of file descriptors, ...: not the end of serving
+                log.warning("transport: accepting a connection failed: %s", _describe(exc))
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._accepted(sock), name="transport-accepted")
+            self._accepting.add(task)
+            task.add_done_callback(self._accepting.discard)
+
+    async def _accepted(self, sock: socket.socket) -> None:
+        """A connection to the TLS listener: a peer that does not start with TLS is named
+        as such (it dials without TLS), a TLS handshake that fails is recorded with its
+        reason, and the rest is served as any connection."""
+        try:
+            host, port = sock.getpeername()[:2]
+        except OSError:
+            sock.close()
+            return
+        peer = f"{host}:{port}"
+        if len(self._peeking) >= self.max_handshakes:
+            oldest, who = next(iter(self._peeking.items()))
+            del self._peeking[oldest]
+            oldest.close()
+            reason = f"still silent when {self.max_handshakes} newer connections came"
+            line = f"transport: rejected a connection from {who}: {reason}"
+            self._event("CONNECTION_REJECTED", who, reason, line)
+        self._peeking[sock] = peer
+        try:
+            first = await asyncio.wait_for(_first_bytes(sock), CONNECT_TIMEOUT)
+        except (asyncio.TimeoutError, OSError):
+            first = None
+        finally:
+            gone = self._peeking.pop(sock, None) is None  # closed for a newer one
+        if gone:
+            return
+        if not first or first[:2] not in frames.TLS_RECORDS:
+            if first:  # say so in TLS's words, which the dialler recognises
+                with contextlib.suppress(OSError):
+                    sock.recv(65536)  # unread bytes would turn the close into a reset
+                    sock.send(TLS_ALERT)
+            sock.close()
+            reason = (
+                f"no TLS handshake within {CONNECT_TIMEOUT:g} s"
+                if first is None
+                else "a plain connection to a TLS endpoint (the peer dials without TLS: "
+                "give it --tls-cert/--tls-key/--tls-ca too)"
+                if first
+                else "closed before its TLS handshake"
+            )
+            if first != b"":
+                line = f"transport: rejected a connection from {peer}: {reason}"
+                self._event("CONNECTION_REJECTED", peer, reason, line)
+            return
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        protocol = asyncio.StreamReaderProtocol(reader)
+        try:
+            transport, _ = await loop.connect_accepted_socket(
+                lambda: protocol,
+                sock,
+                ssl=self._server_ssl,
+                ssl_handshake_timeout=CONNECT_TIMEOUT,
+            )
+        except (ssl.SSLError, OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            reason = f"its TLS handshake failed: {_describe(exc)}"
+            self._event(
+                "CONNECTION_REJECTED", peer, reason, f"transport: rejected {peer}: {reason}"
+            )
+            return
+        await self._on_inbound(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
 
     async def _on_inbound(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The acceptor's side of the handshake (frames.py): a connection is served once
@@ -1282,6 +1388,28 @@ class TransportEndpoint:
             log.warning("transport: writing to the database failed; trying again", exc_info=True)
             self._acked[:0] = acked
             self._events[:0] = events
+
+
+# A TLS alert record (fatal, unexpected_message): a TLS endpoint's answer to a plain dialler.
+TLS_ALERT = b"\x15\x03\x03\x00\x02\x02\x0a"
+
+
+async def _first_bytes(sock: socket.socket) -> bytes:
+    """The first bytes a peer sent on an accepted socket, left there to be read (b"" when
+    it closed without a word)."""
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not readable.done():
+            readable.set_result(None)
+
+    loop.add_reader(sock.fileno(), ready)
+    try:
+        await readable
+    finally:
+        loop.remove_reader(sock.fileno())
+    return sock.recv(2, socket.MSG_PEEK)
 
 
 def _check_seconds(name: str, value: float) -> None:

@@ -50,6 +50,9 @@ PREFIX = struct.Struct("!4sBBHI")  # magic, kind, flags, header length, body len
 MAC_SIZE = 32  # HMAC-SHA256
 MAX_BODY = 16 * 1024 * 1024  # bytes; larger than any fragment we send
 FLAG_NULL_BODY = 1  # the message body is NULL (not empty)
+# The first bytes of a TLS record (handshake, alert; TLS 1.0-1.3 all say 3.x): what a peer
+# that speaks TLS sends where a frame was expected.
+TLS_RECORDS = frozenset({b"\x16\x03", b"\x15\x03"})
 
 
 class Kind(enum.IntEnum):
@@ -113,6 +116,11 @@ async def read(reader: asyncio.StreamReader, key: bytes, max_body: int = MAX_BOD
     prefix = await reader.readexactly(PREFIX.size)
     magic, kind, flags, head_len, body_len = PREFIX.unpack(prefix)
     if magic != MAGIC:
+        if magic[:2] in TLS_RECORDS:
+            raise GarbageFrame(
+                "a TLS handshake: the peer uses TLS and this side does not (give both "
+                "endpoints TLS, --tls-cert/--tls-key, or neither)"
+            )
         raise GarbageFrame(f"bad magic {magic!r} (not a scheduler_lib broker, or desynchronised)")
     if kind not in Kind._value2member_map_:
         raise GarbageFrame(f"unknown frame kind {kind}")
