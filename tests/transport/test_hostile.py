@@ -400,6 +400,9 @@ def test_transport_events_are_kept_within_their_retention(
         {"max_connections": 0},
         {"max_handshakes": 1.5},
         {"events_max": True},
+        {"fragment_size": float("nan")},
+        {"retry_initial": 0.001},
+        {"idle_timeout": True},
     ],
     ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
 )
@@ -410,3 +413,76 @@ def test_nonsensical_settings_are_refused_by_name(
     [(name, _)] = setting.items()
     with pytest.raises(InvalidArgument, match=name):
         TransportEndpoint(b, key=KEY, listen=None, **setting)  # type: ignore[arg-type]
+
+
+def test_strangers_at_a_tls_endpoint_are_bounded_and_a_peer_still_gets_through(
+    pair: tuple[Broker, Broker], tmp_path: Path
+) -> None:
+    from test_protocol import _certificate
+
+    from scheduler_lib.broker.transport import tls_contexts
+
+    a, b = pair
+    cert, key = _certificate(tmp_path)
+    server, client = tls_contexts(cert, key, ca=cert)
+    tls = {"server_ssl": server, "client_ssl": client}
+    # A TLS endpoint listens on IPv6 as on IPv4
+    with TransportEndpoint(b, **{**OPTIONS, "listen": "[::1]:0"}, **tls) as on_ipv6:
+        assert (on_ipv6.address or "").startswith("tcp://::1:")
+    # Given a TLS endpoint and strangers holding connections open at it: silent ones,
+    # and ones that start a TLS handshake and stop
+    with TransportEndpoint(b, **OPTIONS, **tls) as eb:
+        host, port = host_port(eb.address)
+        held = []
+        try:
+            for i in range(3 * endpoint.MAX_HANDSHAKES):
+                sock = socket.create_connection((host, port), timeout=5)
+                if i % 2:
+                    sock.sendall(b"\x16\x03\x01")
+                held.append(sock)
+            # When a broker with the key and a certificate dials it meanwhile
+            with TransportEndpoint(a, **OPTIONS, **tls):
+                a.create_route("to b", TARGET, eb.address or "")
+                handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+                a.send(handle, REQUEST, b"through")
+                # Then it gets through, and the strangers beyond the limit were let go
+                poll(lambda: len(b.peek(B_QUEUE)) == 1, 30, "the message, past the strangers")
+            closed = 0
+            for sock in held:
+                sock.settimeout(10)
+                with contextlib.suppress(OSError):
+                    closed += sock.recv(100) == b""
+            assert closed >= 2 * endpoint.MAX_HANDSHAKES, closed
+        finally:
+            for sock in held:
+                sock.close()
+    evicted = [
+        r["detail"]
+        for r in b.fetch("transport_event_list", limit=1000)
+        if "newer ones came" in r["detail"] or "more rejected connections" in r["detail"]
+    ]
+    assert evicted
+
+
+def test_a_route_that_leads_back_to_this_broker_is_refused_by_name(
+    pair: tuple[Broker, Broker],
+) -> None:
+    _, b = pair
+    with TransportEndpoint(b, **OPTIONS) as eb:
+        # Given a route on B that leads to B's own endpoint
+        b.create_route("loop", TARGET + "Elsewhere", eb.address or "")
+        b.create_message_type("Loop", "NONE")
+        b.create_contract("LoopContract", {"Loop": "INITIATOR"})
+        b.create_queue("LoopQueue")
+        b.create_service("LoopService", "LoopQueue")
+        handle = b.begin_dialog("LoopService", TARGET + "Elsewhere", "LoopContract")
+        b.send(handle, "Loop", b"x")
+        # Then the message waits, and its status says where the route leads
+        poll(
+            lambda: any(
+                "this broker itself" in (r["transmission_status"] or "")
+                for r in b.fetch("outgoing_list", limit=10)
+            ),
+            30,
+            "the status names the loop",
+        )

@@ -224,9 +224,18 @@ class TransportEndpoint:
             _check_count(name, count)
         if retry_max < retry_initial:
             raise exceptions.InvalidArgument("retry_max must not be below retry_initial")
-        if fragment_size < 1024:
+        if (
+            isinstance(fragment_size, bool)
+            or not isinstance(fragment_size, int)
+            or fragment_size < 1024
+        ):
             raise exceptions.InvalidArgument(
-                f"fragment_size must be at least 1024 bytes, got {fragment_size!r}"
+                f"fragment_size must be an integer of at least 1024 bytes, got {fragment_size!r}"
+            )
+        if retry_initial < TICK:
+            raise exceptions.InvalidArgument(
+                f"retry_initial must be at least {TICK:g} seconds (the housekeeping tick), "
+                f"got {retry_initial!r}"
             )
         self.retry_initial = retry_initial
         self.retry_max = retry_max
@@ -263,7 +272,8 @@ class TransportEndpoint:
         self._inbound = 0  # inbound connections open (in their handshake or served)
         # Inbound connections in their handshake, oldest first -> their peer
         self._handshakes: dict[asyncio.StreamWriter, str] = {}
-        self._peeking: dict[socket.socket, str] = {}  # TLS listener: before the TLS handshake
+        # TLS listener: connections before their TLS handshake is done, oldest first
+        self._peeking: dict[str, asyncio.Task[None]] = {}
         self._accepting: set[asyncio.Task[None]] = set()
         self._released: list[tuple[int, str, int, str, int]] = []  # statuses of unrouted ones
         self._honor_priority = False
@@ -355,7 +365,8 @@ class TransportEndpoint:
             # TLS: accepted here, so that what comes first can be looked at before the TLS
             # handshake (asyncio's own TLS server drops a failed one without a word).
             host, port = self._listen
-            listener = socket.create_server((host, port))
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            listener = socket.create_server((host, port), family=family)
             listener.setblocking(False)
             self.address = f"tcp://{host}:{listener.getsockname()[1]}"
             tasks.append(asyncio.create_task(self._accept_loop(listener), name="transport-accept"))
@@ -790,6 +801,10 @@ class TransportEndpoint:
                     "the peer did not prove it holds the transport key for this connection "
                     "(a replayed or forged WELCOME): nothing was sent to it"
                 )
+            if peer_broker == self.broker_instance:
+                raise HandshakeRefused(
+                    f"{link.address} is this broker itself (a route that leads back here)"
+                )
             if link.expected_instance not in (None, peer_broker):
                 raise ConnectionError(
                     f"broker {peer_broker} answers at {link.address}, but the route names "
@@ -831,7 +846,9 @@ class TransportEndpoint:
     async def _accepted(self, sock: socket.socket) -> None:
         """A connection to the TLS listener: a peer that does not start with TLS is named
         as such (it dials without TLS), a TLS handshake that fails is recorded with its
-        reason, and the rest is served as any connection."""
+        reason, and the rest is served as any connection. Until its TLS handshake is done
+        it holds one of ``max_handshakes`` places (a newer one cancels the oldest) and
+        has :data:`CONNECT_TIMEOUT` for both steps."""
         try:
             host, port = sock.getpeername()[:2]
         except OSError:
@@ -839,55 +856,49 @@ class TransportEndpoint:
             return
         peer = f"{host}:{port}"
         if len(self._peeking) >= self.max_handshakes:
-            oldest, who = next(iter(self._peeking.items()))
-            del self._peeking[oldest]
-            oldest.close()
-            reason = f"still silent when {self.max_handshakes} newer connections came"
-            line = f"transport: rejected a connection from {who}: {reason}"
-            self._event("CONNECTION_REJECTED", who, reason, line)
-        self._peeking[sock] = peer
-        try:
-            first = await asyncio.wait_for(_first_bytes(sock), CONNECT_TIMEOUT)
-        except (asyncio.TimeoutError, OSError):
-            first = None
-        finally:
-            gone = self._peeking.pop(sock, None) is None  # closed for a newer one
-        if gone:
-            return
-        if not first or first[:2] not in frames.TLS_RECORDS:
-            if first:  # say so in TLS's words, which the dialler recognises
-                with contextlib.suppress(OSError):
-                    sock.recv(65536)  # unread bytes would turn the close into a reset
-                    sock.send(TLS_ALERT)
-            sock.close()
-            reason = (
-                f"no TLS handshake within {CONNECT_TIMEOUT:g} s"
-                if first is None
-                else "a plain connection to a TLS endpoint (the peer dials without TLS: "
-                "give it --tls-cert/--tls-key/--tls-ca too)"
-                if first
-                else "closed before its TLS handshake"
-            )
-            if first != b"":
-                line = f"transport: rejected a connection from {peer}: {reason}"
-                self._event("CONNECTION_REJECTED", peer, reason, line)
-            return
+            # Cancelled, not closed under it: its reader must leave the selector while
+            # its descriptor is still its own (a closed one is soon another socket's).
+            oldest = next(iter(self._peeking))
+            self._peeking.pop(oldest).cancel()
+        task = asyncio.current_task()
+        assert task is not None
+        key = f"{peer}#{id(task)}"
+        self._peeking[key] = task
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         protocol = asyncio.StreamReaderProtocol(reader)
+        reason: str | None = None
+        transport: asyncio.Transport | None = None
         try:
-            transport, _ = await loop.connect_accepted_socket(
-                lambda: protocol,
-                sock,
-                ssl=self._server_ssl,
-                ssl_handshake_timeout=CONNECT_TIMEOUT,
-            )
-        except (ssl.SSLError, OSError, asyncio.TimeoutError) as exc:
-            sock.close()
+            first = await asyncio.wait_for(_first_bytes(sock), CONNECT_TIMEOUT)
+            if first and first[:2] in frames.TLS_RECORDS:
+                transport, _ = await asyncio.wait_for(
+                    loop.connect_accepted_socket(lambda: protocol, sock, ssl=self._server_ssl),
+                    CONNECT_TIMEOUT,
+                )
+            elif first:
+                reason = (
+                    "a plain connection to a TLS endpoint (the peer dials without TLS: "
+                    "give it --tls-cert/--tls-key/--tls-ca too)"
+                )
+                with contextlib.suppress(OSError):  # said in TLS's words, which diallers know
+                    sock.recv(65536)  # unread bytes would turn the close into a reset
+                    sock.send(TLS_ALERT)
+        except asyncio.CancelledError:
+            reason = f"still in its handshake when {self.max_handshakes} newer ones came"
+            if self._stopping.is_set():
+                reason = None
+        except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
+            reason = f"no TLS handshake within {CONNECT_TIMEOUT:g} s"
+        except (ssl.SSLError, OSError) as exc:
             reason = f"its TLS handshake failed: {_describe(exc)}"
-            self._event(
-                "CONNECTION_REJECTED", peer, reason, f"transport: rejected {peer}: {reason}"
-            )
+        finally:
+            self._peeking.pop(key, None)
+        if transport is None:
+            sock.close()
+            if reason is not None:
+                line = f"transport: rejected a connection from {peer}: {reason}"
+                self._event("CONNECTION_REJECTED", peer, reason, line)
             return
         await self._on_inbound(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
 
@@ -897,11 +908,11 @@ class TransportEndpoint:
         :data:`CONNECT_TIMEOUT` of its opening."""
         peername = writer.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if peername else "?"
-        if self._inbound >= self.max_connections:
+        if self._inbound >= self.max_connections and not self._handshakes:
             reason = f"too many connections ({self._inbound} open, the limit)"
             self._reject_connection(writer, peer, reason)
             return
-        if len(self._handshakes) >= self.max_handshakes:
+        if len(self._handshakes) >= self.max_handshakes or self._inbound >= self.max_connections:
             # The oldest goes, not the newcomer: a peer with the key finishes its handshake
             # in two round trips, so strangers who hold every place (they cannot finish)
             # keep nobody out for longer than it takes to open that many connections.
@@ -977,7 +988,7 @@ class TransportEndpoint:
             )
             return False
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            log.info(
+            log.debug(  # strangers do this by the thousand: not for the log
                 "transport: connection from %s ended before %s (%s)", peer, step, _describe(exc)
             )
             writer.close()
@@ -1010,7 +1021,12 @@ class TransportEndpoint:
     def _reject_connection(self, writer: asyncio.StreamWriter, peer: str, reason: str) -> None:
         line = f"transport: rejected a connection from {peer}: {reason}"
         self._event("CONNECTION_REJECTED", peer, reason, line)
-        writer.close()
+        if writer.get_extra_info("sslcontext") is not None:
+            # Aborted, not closed: a TLS close waits up to 30 s for the stranger's
+            # close_notify, holding its place all the while.
+            writer.transport.abort()
+        else:
+            writer.close()
 
     # --- a connection's reader and writer ----------------------------------------------
 
@@ -1046,6 +1062,9 @@ class TransportEndpoint:
             reason = _describe(exc)
         except asyncio.CancelledError:
             return
+        except Exception as exc:  # a reader that died would leave the connection counted
+            log.exception("transport: reading from %s failed", conn.peer)
+            reason = f"reader failed: {_describe(exc)}"
         await self._close(conn, reason)
 
     async def _queue_incoming(self, fragment: delivery.Fragment, conn: Connection) -> None:
@@ -1096,7 +1115,7 @@ class TransportEndpoint:
                 if not 0 <= fragment.index < fragment.count:
                     raise ValueError(f"fragment {fragment.index} of {fragment.count}")
                 return fragment
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
             raise frames.GarbageFrame(f"malformed {frame.kind.name} header: {exc!r}") from None
         return None
 
@@ -1319,6 +1338,10 @@ class TransportEndpoint:
                 # A peer gone without a reset (a pulled cable, a NAT that forgot us):
                 # its socket would take the kernel's minutes to fail. Dial again.
                 await self._close(conn, f"no answer to a PING for {PING_TIMEOUT:g} s")
+            elif busy and now - conn.last_received > silent + PING_TIMEOUT:
+                # Its PING could not even be written (the socket's buffer is full of
+                # what the peer stopped taking): as good as gone.
+                await self._close(conn, f"nothing received for {silent + PING_TIMEOUT:g} s")
             elif busy and now - conn.last_received > silent and conn.ping_sent_at is None:
                 conn.ping_due = True  # messages wait and the peer has gone quiet: alive?
                 conn.wake.set()
@@ -1404,16 +1427,19 @@ async def _first_bytes(sock: socket.socket) -> bytes:
         if not readable.done():
             readable.set_result(None)
 
-    loop.add_reader(sock.fileno(), ready)
+    fd = sock.fileno()
+    loop.add_reader(fd, ready)
     try:
         await readable
     finally:
-        loop.remove_reader(sock.fileno())
+        loop.remove_reader(fd)
     return sock.recv(2, socket.MSG_PEEK)
 
 
 def _check_seconds(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+    if isinstance(value, bool) or not (
+        isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    ):
         raise exceptions.InvalidArgument(
             f"{name} must be a finite number of seconds > 0, got {value!r}"
         )

@@ -132,7 +132,7 @@ async def read(reader: asyncio.StreamReader, key: bytes, max_body: int = MAX_BOD
         raise CorruptFrame(kind, len(prefix) + len(rest))
     try:
         header = json.loads(rest[:head_len])
-    except ValueError as exc:  # signed but unreadable: the peer itself is broken
+    except (ValueError, RecursionError) as exc:  # signed but unreadable: a broken peer
         raise GarbageFrame(f"unreadable frame header: {exc}") from None
     if not isinstance(header, dict):
         raise GarbageFrame("frame header is not an object")
