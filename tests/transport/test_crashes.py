@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import os
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 from faultproxy import FaultProxy, Faults
 from multiproc import poll
-from transport_catalog import CONTRACT, INITIATOR, KEY, REQUEST, TARGET
+from transport_catalog import CONTRACT, INITIATOR, KEY, REQUEST, TARGET, free_port
 from transport_catalog import TARGET_QUEUE as B_QUEUE
 
 from bench.processes import Processes
@@ -24,12 +23,6 @@ from scheduler_lib.broker import Broker
 CONVERSATIONS = 100
 PER_CONVERSATION = 100  # 10,000 messages, sent while the processes are killed
 FAULTS = Faults(drop=0.01, duplicate=0.01, reorder=0.01, corrupt=0.005, delay=0.01)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Serve:

@@ -21,7 +21,16 @@ from pathlib import Path
 
 import pytest
 from multiproc import poll
-from transport_catalog import CONTRACT, FAST_RETRY, INITIATOR, KEY, REPLY, REQUEST, TARGET
+from transport_catalog import (
+    CONTRACT,
+    FAST_RETRY,
+    INITIATOR,
+    KEY,
+    REPLY,
+    REQUEST,
+    TARGET,
+    free_port,
+)
 from transport_catalog import TARGET_QUEUE as B_QUEUE
 
 from bench.processes import Processes
@@ -43,12 +52,6 @@ def split_frames(data: bytes) -> list[tuple[int, bytes]]:
         out.append((kind, data[:size]))
         data = data[size:]
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def host_port(address: str | None) -> tuple[str, int]:

@@ -12,8 +12,8 @@ handshake's frames are faulted like the rest."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +22,16 @@ from pathlib import Path
 import pytest
 from faultproxy import FaultProxy, Faults
 from multiproc import poll
-from transport_catalog import CONTRACT, FAST_RETRY, INITIATOR, KEY, REPLY, REQUEST, TARGET
+from transport_catalog import (
+    CONTRACT,
+    FAST_RETRY,
+    INITIATOR,
+    KEY,
+    REPLY,
+    REQUEST,
+    TARGET,
+    free_port,
+)
 from transport_catalog import INITIATOR_QUEUE as A_QUEUE
 from transport_catalog import TARGET_QUEUE as B_QUEUE
 
@@ -37,12 +46,6 @@ LARGE_COUNT = 5
 LOSSY = Faults(drop=0.10, duplicate=0.05, reorder=0.05, spare_handshake=False)
 CUT_EVERY = 2.0  # seconds between cuts of every proxied connection
 RETRY_MAX = endpoint.RETRY_MAX  # serve's default: the longest a retransmission waits
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Replier:
@@ -118,6 +121,18 @@ def send_workload(a: Broker, tag: str) -> list[str]:
     return handles
 
 
+@contextlib.contextmanager
+def through_a_proxy(a: Broker, b: Broker) -> Iterator[tuple[FaultProxy, str]]:
+    """Both endpoints in this process (the tests' fast retry timings), A's route to B
+    through a proxy without faults, and a conversation to send on."""
+    options = {"key": KEY, "listen": "127.0.0.1:0", **FAST_RETRY}
+    with TransportEndpoint(b, **options) as eb:
+        host, port = (eb.address or "").removeprefix("tcp://").rsplit(":", 1)
+        with FaultProxy((host, int(port)), Faults()) as proxy, TransportEndpoint(a, **options):
+            a.create_route("to target", TARGET, proxy.address)
+            yield proxy, str(a.begin_dialog(INITIATOR, TARGET, CONTRACT))
+
+
 def replies(a: Broker) -> int:
     return len(a.peek(A_QUEUE))
 
@@ -185,22 +200,17 @@ def test_a_peer_gone_without_a_reset_is_noticed_and_dialled_again(
     pair: tuple[Broker, Broker],
 ) -> None:
     a, b = pair
-    options = {"key": KEY, "listen": "127.0.0.1:0", **FAST_RETRY}
-    with TransportEndpoint(b, **options) as eb:
-        host, port = (eb.address or "").removeprefix("tcp://").rsplit(":", 1)
-        with FaultProxy((host, int(port)), Faults()) as proxy, TransportEndpoint(a, **options):
-            a.create_route("to target", TARGET, proxy.address)
-            handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
-            a.send(handle, REQUEST, b"before")
-            poll(lambda: len(b.peek(B_QUEUE)) == 1, 30, "the first message")
-            # Given the connection goes silent both ways, and stays open (no reset)
-            assert proxy.stall_all() == 1
-            # When A has more to send
-            a.send_many(handle, REQUEST, [b"after %d" % i for i in range(10)])
-            # Then it notices (its PING goes unanswered), dials again, and delivers
-            deadline = endpoint.PING_AFTER + FAST_RETRY["retry_initial"] + endpoint.PING_TIMEOUT
-            poll(lambda: len(b.peek(B_QUEUE)) == 11, deadline + 20, "the rest, on a new connection")
-            assert proxy.stats["connections"] == 2
+    with through_a_proxy(a, b) as (proxy, handle):
+        a.send(handle, REQUEST, b"before")
+        poll(lambda: len(b.peek(B_QUEUE)) == 1, 30, "the first message")
+        # Given the connection goes silent both ways, and stays open (no reset)
+        assert proxy.stall_all() == 1
+        # When A has more to send
+        a.send_many(handle, REQUEST, [b"after %d" % i for i in range(10)])
+        # Then it notices (its PING goes unanswered), dials again, and delivers
+        deadline = endpoint.PING_AFTER + FAST_RETRY["retry_initial"] + endpoint.PING_TIMEOUT
+        poll(lambda: len(b.peek(B_QUEUE)) == 11, deadline + 20, "the rest, on a new connection")
+        assert proxy.stats["connections"] == 2
     assert [m.body for m in b.peek(B_QUEUE)] == [b"before"] + [b"after %d" % i for i in range(10)]
 
 
@@ -249,15 +259,10 @@ def test_a_receiver_whose_storing_lags_is_not_taken_for_gone(
         return accept(self, fragments)  # type: ignore[arg-type]
 
     monkeypatch.setattr(delivery.Receiver, "accept_batch", stalling)
-    options = {"key": KEY, "listen": "127.0.0.1:0", **FAST_RETRY}
-    with TransportEndpoint(b, **options) as eb:
-        host, port = (eb.address or "").removeprefix("tcp://").rsplit(":", 1)
-        with FaultProxy((host, int(port)), Faults()) as proxy, TransportEndpoint(a, **options):
-            a.create_route("to target", TARGET, proxy.address)
-            handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
-            # When the sender has more than the receiver takes in meanwhile
-            a.send_many(handle, REQUEST, [b"%d" % i for i in range(100)])
-            poll(lambda: len(b.peek(B_QUEUE)) == 100, 60, "all 100 messages")
-            # Then it waited on the same connection: the receiver said it was alive
-            assert stalled and proxy.stats["connections"] == 1, proxy.stats
+    with through_a_proxy(a, b) as (proxy, handle):
+        # When the sender has more than the receiver takes in meanwhile
+        a.send_many(handle, REQUEST, [b"%d" % i for i in range(100)])
+        poll(lambda: len(b.peek(B_QUEUE)) == 100, 60, "all 100 messages")
+        # Then it waited on the same connection: the receiver said it was alive
+        assert stalled and proxy.stats["connections"] == 1, proxy.stats
     assert [m.body for m in b.peek(B_QUEUE)] == [b"%d" % i for i in range(100)]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from faultproxy import FaultProxy, Faults
 from multiproc import poll
-from transport_catalog import CONTRACT, FAST_RETRY, INITIATOR, KEY, REQUEST, TARGET
+from transport_catalog import CONTRACT, FAST_RETRY, INITIATOR, KEY, REQUEST, TARGET, free_port
 from transport_catalog import TARGET_QUEUE as B_QUEUE
 
 from bench.processes import CLI, Processes
@@ -100,12 +100,6 @@ def send_all(a: Broker) -> None:
     handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
     for body in BODIES:
         a.send(handle, REQUEST, body)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("old", ["black-hole", "acks-lost"])

@@ -3,6 +3,8 @@ the tests under a name of its own, so no other folder's conftest can shadow it).
 
 from __future__ import annotations
 
+import socket
+
 from scheduler_lib.broker import Broker
 
 KEY = "transport-key-for-the-tests-0123456789"
@@ -24,3 +26,10 @@ def make_catalog(broker: Broker, *, initiator: bool, target: bool) -> Broker:
         broker.create_queue(TARGET_QUEUE)
         broker.create_service(TARGET, TARGET_QUEUE, [CONTRACT])
     return broker
+
+
+def free_port() -> int:
+    """A port nothing listens on now (for a process that must be told it in advance)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
