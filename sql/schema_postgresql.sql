@@ -439,5 +439,13 @@ CREATE INDEX ix_queue_messages_group ON queue_messages (conversation_group_id, p
 
 UPDATE broker_alembic_version SET version_num='0008' WHERE broker_alembic_version.version_num = '0007';
 
+-- Running upgrade 0008 -> 0009
+
+ALTER TABLE transport_events DROP CONSTRAINT transport_event_known;
+
+ALTER TABLE transport_events ADD CONSTRAINT transport_event_known CHECK (event_type IN ('CORRUPTED_MESSAGE', 'CONNECTION_REJECTED', 'MESSAGE_REJECTED', 'REPLAYED_FRAME'));
+
+UPDATE broker_alembic_version SET version_num='0009' WHERE broker_alembic_version.version_num = '0008';
+
 COMMIT;
 

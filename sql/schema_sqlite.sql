@@ -454,3 +454,26 @@ CREATE INDEX ix_queue_messages_group ON queue_messages (conversation_group_id, p
 
 UPDATE broker_alembic_version SET version_num='0008' WHERE broker_alembic_version.version_num = '0007';
 
+-- Running upgrade 0008 -> 0009
+
+CREATE TABLE _alembic_tmp_transport_events (
+    event_id INTEGER NOT NULL, 
+    occurred_at FLOAT NOT NULL, 
+    event_type VARCHAR(32) NOT NULL, 
+    peer VARCHAR(256), 
+    detail VARCHAR(1024) NOT NULL, 
+    PRIMARY KEY (event_id), 
+    CONSTRAINT transport_event_known CHECK (event_type IN ('CORRUPTED_MESSAGE', 'CONNECTION_REJECTED', 'MESSAGE_REJECTED', 'REPLAYED_FRAME'))
+);
+
+INSERT INTO _alembic_tmp_transport_events (event_id, occurred_at, event_type, peer, detail) SELECT transport_events.event_id, transport_events.occurred_at, transport_events.event_type, transport_events.peer, transport_events.detail 
+FROM transport_events;
+
+DROP TABLE transport_events;
+
+ALTER TABLE _alembic_tmp_transport_events RENAME TO transport_events;
+
+CREATE INDEX ix_transport_events_occurred ON transport_events (occurred_at);
+
+UPDATE broker_alembic_version SET version_num='0009' WHERE broker_alembic_version.version_num = '0008';
+

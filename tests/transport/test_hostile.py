@@ -267,6 +267,107 @@ def test_a_replayed_hello_gets_no_further_than_its_welcome(pair: tuple[Broker, B
         assert len(b.fetch("outgoing_list", limit=100)) == 1
 
 
+class FrameRelay:
+    """A relay in front of an address that forwards whole frames, keeps the frames that
+    crossed each connection in each direction, and can write a recorded frame into a
+    live connection between two of them: someone on the path who replays."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
+        # per connection: direction -> (destination socket, its lock, frames that crossed)
+        self.connections: list[dict[str, tuple[socket.socket, threading.Lock, list[bytes]]]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                near, _ = self.server.accept()
+                far = socket.create_connection(self.target)
+                conn = {
+                    "out": (far, threading.Lock(), []),
+                    "back": (near, threading.Lock(), []),
+                }
+                self.connections.append(conn)
+                for src, key in ((near, "out"), (far, "back")):
+                    threading.Thread(target=self._pump, args=(src, *conn[key]), daemon=True).start()
+
+    @staticmethod
+    def _pump(
+        src: socket.socket, dst: socket.socket, lock: threading.Lock, seen: list[bytes]
+    ) -> None:
+        pending = b""
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                pending += data
+                whole = split_frames(pending)
+                for _, raw in whole:
+                    with lock:
+                        dst.sendall(raw)
+                    seen.append(raw)
+                pending = pending[sum(len(raw) for _, raw in whole) :]
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def inject(self, connection: int, direction: str, data: bytes) -> None:
+        dst, lock, _ = self.connections[connection][direction]
+        with lock:
+            dst.sendall(data)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_frame_replayed_into_its_own_connection_is_dropped(
+    pair: tuple[Broker, Broker],
+) -> None:
+    a, b = pair
+    with TransportEndpoint(b, **OPTIONS) as eb:
+        relay = FrameRelay(host_port(eb.address))
+        try:
+            with TransportEndpoint(a, **OPTIONS):
+                a.create_route("through the relay", TARGET, relay.address)
+                # Given a payment A sent to B through someone who records the frames
+                first = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+                a.send(first, REQUEST, b"pay 100 once")
+                poll(lambda: b.peek(B_QUEUE), 30, "the payment at B")
+                [payment] = b.receive(B_QUEUE)
+                # And B is done with it: ended, and its closed endpoint pruned as it is
+                # CLOSED_RETENTION after the end (the connection lives on meanwhile)
+                b.end_conversation(payment.conversation_handle, cleanup=True)
+                later = time.time() + delivery.CLOSED_RETENTION + 60
+                assert delivery.prune_closed(b, later) == 1
+                [recorded] = [
+                    raw
+                    for raw in relay.connections[0]["out"][2]
+                    if raw[4] == frames.Kind.MESSAGE and b"pay 100 once" in raw
+                ]
+                # When the recorder writes the payment's frame into the same connection
+                # again, and then A sends something else on it
+                relay.inject(0, "out", recorded)
+                second = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+                a.send(second, REQUEST, b"something else")
+                poll(
+                    lambda: any(m.body == b"something else" for m in b.peek(B_QUEUE)),
+                    30,
+                    "the next message at B",
+                )
+                # Then B took the payment once: the replayed copy was dropped
+                assert [m.body for m in b.peek(B_QUEUE)] == [b"something else"]
+                # And recorded as a replay, and the connection went on
+                replays = lambda: [  # noqa: E731
+                    r["detail"]
+                    for r in b.fetch("transport_event_list", limit=100)
+                    if r["event_type"] == "REPLAYED_FRAME"
+                ]
+                poll(replays, 10, "a REPLAYED_FRAME event")
+                assert "MESSAGE frame number" in replays()[0]
+                assert len(relay.connections) == 1
+        finally:
+            relay.close()
+
+
 # --- bounded resources -------------------------------------------------------------------
 
 FLOOD_CONNECTIONS = 2000  # keyless connections, each holding a half-sent HELLO open

@@ -415,7 +415,7 @@ def _handshake(endpoint: TransportEndpoint) -> tuple[socket.socket, bytes, bytes
         KEY.encode(), nonce, welcome.header["nonce"], me, welcome.header["broker"]
     )
     assert welcome.header["proof"] == keys.welcome_proof
-    confirm = {"proof": keys.confirm_proof}
+    confirm = {"proof": keys.confirm_proof, frames.NUMBER: 0}
     sock.sendall(frames.encode(frames.Kind.CONFIRM, confirm, None, keys.send_out))
     return sock, keys.send_out, keys.send_in
 
@@ -448,7 +448,8 @@ def test_a_partial_message_is_never_receivable(pair: tuple[Broker, Broker]) -> N
     conversation = "3f1b4a5e-0c1d-4e2f-8a9b-0c1d2e3f4a5b"
 
     def fragment(index: int, session: bytes) -> bytes:
-        header = {
+        header: dict[str, object] = {
+            frames.NUMBER: 1,  # each is its connection's first frame after the CONFIRM
             "c": conversation,
             "i": 1,
             "s": 0,

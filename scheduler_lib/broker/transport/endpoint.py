@@ -46,7 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # 2: the handshake proves the key both ways (HELLO, WELCOME, CONFIRM)
+# 2: the handshake proves the key both ways (HELLO, WELCOME, CONFIRM); 3: frames are
+# numbered per direction, a number is accepted once (frames.ReplayWindow)
+PROTOCOL_VERSION = 3
 RETRY_INITIAL = 2.5  # seconds before an unacknowledged message goes again (then doubling)
 RETRY_MAX = 60.0  # seconds; the backoff's cap
 FRAGMENT_SIZE = 64 * 1024  # bytes of body per fragment
@@ -117,12 +119,14 @@ class Connection:
         self.peer_address = peer_address
         self.send_key = send_key  # one key per direction: a frame cannot be reflected
         self.receive_key = receive_key
+        self.sent_number = 0  # the CONFIRM's (the dialler's) or none yet (the acceptor's)
+        self.received = frames.ReplayWindow()  # a frame replayed into the connection
         peername = writer.get_extra_info("peername")
         self.peer = f"{peername[0]}:{peername[1]}" if peername else "?"
         self.opened_at = self.last_activity = self.last_received = time.time()
         self.frames_sent = self.frames_received = 0
         self.bytes_sent = self.bytes_received = 0
-        self.corrupted = 0
+        self.corrupted = self.replayed = 0
         self.last_acked = 0.0  # when the peer last acknowledged one of our fragments here
         self.ping_sent_at: float | None = None  # a PING waits for any frame back
         self.ping_due = False  # a PING goes with the next frame
@@ -133,6 +137,12 @@ class Connection:
         self.wake = asyncio.Event()
         self.closed = False
         self.tasks: list[asyncio.Task[None]] = []
+
+    def seal(self, kind: frames.Kind, header: dict[str, Any], body: bytes | None) -> bytes:
+        """The next frame of this direction: numbered, signed with its session key."""
+        self.sent_number += 1
+        header[frames.NUMBER] = self.sent_number
+        return frames.encode(kind, header, body, self.send_key)
 
     def info(self) -> ConnectionInfo:
         return ConnectionInfo(
@@ -810,7 +820,7 @@ class TransportEndpoint:
                     f"broker {peer_broker} answers at {link.address}, but the route names "
                     f"broker instance {link.expected_instance}"
                 )
-            confirm = {"proof": keys.confirm_proof}
+            confirm = {"proof": keys.confirm_proof, frames.NUMBER: 0}
             writer.write(frames.encode(frames.Kind.CONFIRM, confirm, None, keys.send_out))
         except BaseException:
             writer.close()
@@ -962,8 +972,10 @@ class TransportEndpoint:
             writer.write(frames.encode(frames.Kind.WELCOME, welcome, None, self._key))
             step = "its CONFIRM"
             confirm = await frames.read(reader, keys.send_out, max_body=HANDSHAKE_MAX_BODY)
-            if confirm.kind is not frames.Kind.CONFIRM or not frames.proof_holds(
-                confirm.header.get("proof"), keys.confirm_proof
+            if (
+                confirm.kind is not frames.Kind.CONFIRM
+                or not frames.proof_holds(confirm.header.get("proof"), keys.confirm_proof)
+                or confirm.header.get(frames.NUMBER) != 0
             ):
                 raise frames.CorruptFrame(confirm.kind, 0)
             return peer_broker, listen, keys
@@ -1047,6 +1059,18 @@ class TransportEndpoint:
                     conn.corrupted += 1
                     line = f"transport: dropped a corrupted frame from {conn.peer}: {exc}"
                     self._event("CORRUPTED_MESSAGE", conn.peer, str(exc), line)
+                    continue
+                number = frame.header.get(frames.NUMBER)
+                if not conn.received.accept(number):
+                    # Signed with this connection's key, so written on it before: someone
+                    # on the path wrote it again. Its first copy was acted on.
+                    conn.replayed += 1
+                    detail = (
+                        f"{frame.kind.name} frame number {number} was accepted before or is "
+                        f"older than the last {frames.REPLAY_WINDOW} (a replay)"
+                    )
+                    line = f"transport: dropped a replayed frame from {conn.peer}: {detail}"
+                    self._event("REPLAYED_FRAME", conn.peer, detail, line)
                     continue
                 conn.last_activity = conn.last_received = time.time()
                 conn.frames_received += 1
@@ -1177,20 +1201,18 @@ class TransportEndpoint:
                         message, f"not acknowledged; sent again (attempt {message.attempts})", 1
                     )
             link.written(message, entry.index, now)
-            return frames.encode(
-                frames.Kind.MESSAGE, header, message.fragments[entry.index], conn.send_key
-            )
+            return conn.seal(frames.Kind.MESSAGE, header, message.fragments[entry.index])
         if conn.rejects:
             rejects = conn.rejects[:REJECTS_PER_FRAME]
             del conn.rejects[: len(rejects)]
             header = {"r": rejects}
             if acks:
                 header["a"] = acks
-            return frames.encode(frames.Kind.REJECT, header, None, conn.send_key)
+            return conn.seal(frames.Kind.REJECT, header, None)
         if acks or ping or conn.pong_due:
             conn.pong_due = False
             header = {"a": acks, "p": 1} if ping else {"a": acks}
-            return frames.encode(frames.Kind.ACK, header, None, conn.send_key)
+            return conn.seal(frames.Kind.ACK, header, None)
         return None
 
     async def _close(self, conn: Connection, reason: str) -> None:

@@ -21,6 +21,7 @@ WHAT = {
     "CONNECTION_REJECTED": "rejected connections",
     "CORRUPTED_MESSAGE": "corrupted frames",
     "MESSAGE_REJECTED": "refused messages",
+    "REPLAYED_FRAME": "replayed frames",
 }
 
 Record = Callable[[float, str, str | None, str], None]  # (when, kind, peer, detail)
