@@ -22,7 +22,7 @@ from transport_catalog import TARGET_QUEUE as B_QUEUE
 
 from bench.processes import CLI, Processes
 from scheduler_lib.broker import Broker
-from scheduler_lib.broker.transport import TransportEndpoint
+from scheduler_lib.broker.transport import TransportEndpoint, endpoint
 from scheduler_lib.broker.transport.endpoint import RETRY_INITIAL, RETRY_MAX
 
 # The product's retry settings: the change must not wait for the backoff, whose first
@@ -140,6 +140,47 @@ def test_messages_in_flight_follow_a_changed_route_at_once(
             explain=lambda: statuses(a),
         )
         # and B has each exactly once, in order (copies it had are dropped as such)
+        assert arrived(b) == BODIES
+
+
+def test_a_route_changed_between_two_lookups_of_one_batch_moves_the_whole_batch(
+    pair: tuple[Broker, Broker],
+    dead_end: Callable[[bool], DeadEnd],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a, b = pair
+    options = {"key": KEY, "listen": "127.0.0.1:0", **DEFAULT_RETRY}
+    black_hole = dead_end(False)
+    # Given three messages waiting for a route that leads to a server that never answers
+    a.create_route("to target", TARGET, black_hole.address)
+    send_all(a)
+    with TransportEndpoint(b, **options) as eb:
+        # And the route changed to B's own address just after the loader looked it up
+        # for the first message of its batch, before it looked again for the next (the
+        # route cache expiring mid-batch: made to happen every time here)
+        real_route = endpoint.TransportEndpoint._route
+        lookups = []
+
+        def route_then_change(self: TransportEndpoint, service: str) -> object:
+            found = real_route(self, service)
+            lookups.append(service)
+            if len(lookups) == 1:
+                a.drop_route("to target")
+                a.create_route("to target", TARGET, eb.address or "")
+            return found
+
+        monkeypatch.setattr(endpoint, "ROUTE_CACHE_TTL", 0.0)
+        monkeypatch.setattr(endpoint.TransportEndpoint, "_route", route_then_change)
+        # When A's endpoint loads them
+        with TransportEndpoint(a, **options):
+            # Then all three follow the new route, the first one too (it went to the
+            # old address for good while the others went the new way)
+            poll(
+                lambda: not a.transmission_queue(),
+                CHANGE_DEADLINE,
+                "A's transmission queue empties after the route's change",
+                explain=lambda: statuses(a),
+            )
         assert arrived(b) == BODIES
 
 

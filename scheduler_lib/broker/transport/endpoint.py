@@ -451,9 +451,17 @@ class TransportEndpoint:
             self._honor_priority = bool(self._broker.honor_broker_priority())
         routed: list[tuple[dict[str, Any], routes.Route]] = []
         unrouted: list[tuple[int, str, int, str, int]] = []
+        # One lookup per service and batch: were the route to change between two, the
+        # loop would move the messages handed before the change (none of this batch's:
+        # they go to it after the move) and the batch would go both ways, its early
+        # messages to the old route for good.
+        batch_routes: dict[str, routes.Route | None] = {}
         for row in rows:
-            route = self._route(row["to_service_name"])
-            self._hand_route(row["to_service_name"], route)
+            service = row["to_service_name"]
+            if service not in batch_routes:
+                batch_routes[service] = self._route(service)
+                self._hand_route(service, batch_routes[service])
+            route = batch_routes[service]
             if route is None:
                 self._unrouted.add(row["message_id"])
                 status = _no_route(row["to_service_name"])
