@@ -4,19 +4,24 @@ A stranger can cause a refusal per connection, and a broken peer one per frame; 
 by one, a flood of them would fill the disk (``transport_events``) and the log. So per
 event kind and peer host, the first :data:`PER_WINDOW` of each :data:`WINDOW` seconds are
 told one by one, and the rest as one line and one event when the window ends ("1,204 more
-corrupted frames from 10.0.0.7 in the last minute")."""
+corrupted frames from 10.0.0.7 in the last minute"). Many hosts at once (a botnet, or one
+IPv6 attacker with a /64 of addresses to come from) are bounded too: an IPv6 host counts
+as its /64, at most :data:`TOTAL_PER_WINDOW` events of a window are told one by one
+whatever their source, and beyond :data:`MAX_SOURCES` sources the rest count as one."""
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 from collections.abc import Callable
 
 log = logging.getLogger("scheduler_lib.broker.transport.endpoint")
 
 PER_WINDOW = 10  # events told one by one per kind and peer host in each window
+TOTAL_PER_WINDOW = 100  # events told one by one in each window, all sources together
 WINDOW = 60.0  # seconds
-MAX_SOURCES = 1000  # (kind, host) pairs followed one by one; beyond, counted together
+MAX_SOURCES = 100  # (kind, host) pairs counted apart; beyond, counted together
 WHAT = {
     "CONNECTION_REJECTED": "rejected connections",
     "CORRUPTED_MESSAGE": "corrupted frames",
@@ -37,11 +42,21 @@ class _Window:
 
 
 def host_of(peer: str | None) -> str:
-    """The host of a ``host:port`` peer (a stranger reconnects from new ports); a dialled
-    ``tcp://`` address as it is."""
+    """The source of a ``host:port`` peer: its host (a stranger reconnects from new
+    ports), an IPv6 host's /64 (one site's, from which it can come from 2**64 addresses);
+    a dialled ``tcp://`` address as it is."""
     if peer is None or peer.startswith("tcp://"):
         return peer or "?"
-    return peer.rsplit(":", 1)[0]
+    host = peer.rsplit(":", 1)[0]
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return host
 
 
 class Reports:
@@ -53,6 +68,7 @@ class Reports:
     def __init__(self, record: Record) -> None:
         self._record = record
         self._windows: dict[tuple[str, str], _Window] = {}
+        self._all = _Window(started=float("-inf"))  # the budget of all sources together
 
     def report(
         self, now: float, kind: str, peer: str | None, detail: str, line: str | None
@@ -64,8 +80,11 @@ class Reports:
         window = self._windows.get(key)
         if window is None:
             window = self._windows[key] = _Window(started=now)
-        if window.told < PER_WINDOW:
+        if now - self._all.started >= WINDOW:
+            self._all = _Window(started=now)
+        if window.told < PER_WINDOW and self._all.told < TOTAL_PER_WINDOW:
             window.told += 1
+            self._all.told += 1
             if line is not None:
                 log.warning("%s", line)
             self._record(now, kind, peer, detail)
@@ -81,6 +100,7 @@ class Reports:
             del self._windows[key]
             if window.held:
                 kind, host = key
+                host = "other hosts" if host == "*" else host
                 what = WHAT.get(kind, kind)
                 seconds = now - window.started
                 text = (
