@@ -31,6 +31,7 @@ import math
 import secrets
 import socket
 import ssl
+import sys
 import threading
 import time
 import uuid
@@ -420,7 +421,7 @@ class TransportEndpoint:
                 self._follow_routes()
                 read, cursor, last_rescan = self._load_once(cursor, last_rescan)
             except Exception:  # the loader must outlive a passing database error
-                log.warning("transport: reading the transmission queue failed", exc_info=True)
+                _database_failed("reading the transmission queue")
                 read = 0
             if read >= LOAD_BATCH:
                 continue  # more are waiting past the cursor
@@ -1302,7 +1303,7 @@ class TransportEndpoint:
                     self._db, self._receiver.accept_batch, fragments
                 )
             except Exception:  # not acknowledged: the sender will send them again
-                log.warning("transport: storing %d fragments failed", len(batch), exc_info=True)
+                _database_failed(f"storing {len(batch)} fragments")
                 continue
             for (fragment, conn), outcome in zip(batch, outcomes, strict=True):
                 if outcome == delivery.NOT_YET:
@@ -1326,7 +1327,7 @@ class TransportEndpoint:
             try:
                 last_prune = await self._tick(time.time(), last_prune)
             except Exception:  # housekeeping must outlive a passing error (a database one)
-                log.warning("transport: housekeeping failed; going on", exc_info=True)
+                _database_failed("housekeeping")
 
     async def _tick(self, now: float, last_prune: float) -> float:
         """Retransmit what is due, reconnect links with work, close idle and stalled
@@ -1438,7 +1439,7 @@ class TransportEndpoint:
                     self._writes, delivery.record_events, self._broker, events
                 )
         except Exception:
-            log.warning("transport: writing to the database failed; trying again", exc_info=True)
+            _database_failed("writing to the database")
             self._acked[:0] = acked
             self._events[:0] = events
 
@@ -1464,6 +1465,19 @@ async def _first_bytes(sock: socket.socket) -> bytes:
     finally:
         loop.remove_reader(fd)
     return sock.recv(2, socket.MSG_PEEK)
+
+
+def _database_failed(what: str) -> None:
+    """Log a failure of one of the endpoint's loops, which all try again (call it in the
+    ``except`` block). A lost database is the broker's to tell, once per outage
+    ("database ... unavailable", "... is back after 4.8 s"): a line per loop and try
+    buried it (1,400 lines with tracebacks for a 5 s restart, 100 without), so those go
+    to DEBUG. Anything else is a WARNING with its traceback."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, (exceptions.ConnectionLost, exceptions.DatabaseUnavailable)):
+        log.debug("transport: %s failed: %s; trying again", what, exc)
+    else:
+        log.warning("transport: %s failed; trying again", what, exc_info=True)
 
 
 def _check_seconds(name: str, value: float) -> None:
