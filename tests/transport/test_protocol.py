@@ -5,12 +5,16 @@ truncated frames, an unknown service), after which the endpoint keeps serving.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
+import logging
 import socket
+import threading
 from pathlib import Path
 
 import pytest
+from faultproxy import FaultProxy, Faults
 from multiproc import poll
 from transport_catalog import CONTRACT, FAST_RETRY, INITIATOR, KEY, REPLY, REQUEST, TARGET
 from transport_catalog import INITIATOR_QUEUE as A_QUEUE
@@ -317,6 +321,57 @@ def test_tls_between_brokers(pair: tuple[Broker, Broker], tmp_path: Path) -> Non
         tls_contexts(str(tmp_path / "missing.pem"), key)
 
 
+def test_tls_connections_cut_under_traffic_write_nothing_into_the_void(
+    pair: tuple[Broker, Broker], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TLS connection whose socket failed a send learns it only once the event loop
+    has run (and Python 3.10's TLS transport never says ``is_closing()`` then): a writer
+    that wrote its whole window without yielding sent it all into the void, each frame
+    counted as sent, and asyncio logged each ("socket.send() raised exception.")."""
+    a, b = pair
+    cert, key = _certificate(tmp_path)
+    server, client = tls_contexts(cert, key, ca=cert)
+    tls = {"server_ssl": server, "client_ssl": client}
+    cut: list[int] = []
+    stop = threading.Event()
+
+    def cutter(proxy: FaultProxy) -> None:
+        while not stop.wait(0.2):
+            if proxy.cut_all():
+                cut.append(1)
+
+    with contextlib.ExitStack() as stack:
+        eb = stack.enter_context(TransportEndpoint(b, **OPTIONS, **tls))
+        # Given TLS between A and B through a proxy that cuts every connection every
+        # 0.2 s (TLS bytes are not frames: it only forwards them)
+        proxy = stack.enter_context(FaultProxy(address_of(eb), Faults()))
+        stack.enter_context(TransportEndpoint(a, **OPTIONS, **tls))
+        a.create_route("to target", TARGET, proxy.address)
+        cutting = threading.Thread(target=cutter, args=(proxy,), daemon=True)
+        cutting.start()
+        stack.callback(cutting.join, 10)
+        stack.callback(stop.set)
+        # When A sends 2,000 messages over 20 conversations
+        handles = [str(a.begin_dialog(INITIATOR, TARGET, CONTRACT)) for _ in range(20)]
+        for n, handle in enumerate(handles):
+            a.send_many(handle, REQUEST, [b"%d:%03d" % (n, i) for i in range(100)])
+        # Then they all arrive through the cuts (a few seconds here)
+        poll(lambda: len(b.peek(B_QUEUE)) >= 2000, 60, "every message at B, through cuts")
+        poll(lambda: not a.transmission_queue(), 30, "A's transmission queue empties")
+    assert len(cut) >= 3, "fewer than three cuts met a connection: nothing was tested"
+    # And each once, in order
+    got: dict[str, list[bytes]] = {}
+    for m in b.peek(B_QUEUE):
+        got.setdefault(str(m.conversation_handle), []).append(m.body or b"")
+    assert sorted(len(bodies) for bodies in got.values() if sorted(bodies) == bodies) == [100] * 20
+    # And a lost connection took at most a slice of frames into the void (a few dozen
+    # here; before, its whole window: 700 to 1,200 per cut), and no writer crashed
+    void = [r for r in caplog.records if r.getMessage() == "socket.send() raised exception."]
+    assert len(void) < 200 * len(cut), (len(void), len(cut))
+    failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not failed, failed
+
+
 @pytest.mark.parametrize("tls_side", ["acceptor", "dialler"])
 def test_a_tls_mismatch_is_named_on_both_sides(
     pair: tuple[Broker, Broker], tmp_path: Path, tls_side: str
@@ -357,6 +412,42 @@ def test_a_tls_mismatch_is_named_on_both_sides(
 
 
 # --- connections ---------------------------------------------------------------------------
+
+
+def test_a_client_certificate_from_another_ca_is_refused_and_named(
+    pair: tuple[Broker, Broker], tmp_path: Path
+) -> None:
+    a, b = pair
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a").mkdir()
+    b_cert, b_key = _certificate(tmp_path / "b")
+    a_cert, a_key = _certificate(tmp_path / "a")
+    # Given B's endpoint with mutual TLS under its own CA, and A trusting B's CA but
+    # showing a certificate B's CA did not sign (the transport key is right)
+    b_server, _ = tls_contexts(b_cert, b_key, ca=b_cert)
+    _, a_client = tls_contexts(a_cert, a_key, ca=b_cert)
+    with (
+        TransportEndpoint(b, **OPTIONS, server_ssl=b_server) as eb,
+        TransportEndpoint(a, **OPTIONS, client_ssl=a_client),
+    ):
+        a.create_route("to target", TARGET, eb.address or "")
+        handle = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
+        a.send(handle, REQUEST, b"not for a stranger")
+        # Then B refuses it, and its event names the failed TLS handshake and why
+        rejected = lambda: [  # noqa: E731
+            d for d in events(b, "CONNECTION_REJECTED") if "TLS handshake failed" in d
+        ]
+        poll(rejected, 30, "B's event for the failed TLS handshake")
+        assert "certificate" in rejected()[0].lower(), rejected()
+        # And A's message waits, its status naming the certificate among the causes (the
+        # refusal comes after A's side of a TLS 1.3 handshake, as a plain close)
+        poll(
+            lambda: any("refused our TLS certificate" in s for s in outgoing_status(a)),
+            30,
+            "A's status names the certificate",
+            explain=lambda: outgoing_status(a),
+        )
+        assert b.peek(B_QUEUE) == []
 
 
 def test_one_connection_per_peer_closed_when_idle_and_reopened_on_demand(

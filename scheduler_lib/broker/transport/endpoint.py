@@ -73,6 +73,9 @@ PRUNE_INTERVAL = 60.0  # seconds between removals of old closed remote endpoints
 CONNECTIONS_INTERVAL = 2.0  # seconds between writes of the connections view
 CONNECTIONS_STALE = 30.0  # seconds after which a silent endpoint's rows are removed
 WRITE_BUFFER_HIGH = 1024 * 1024  # bytes buffered on a socket before the writer waits
+# Bytes the writer writes before it lets the loop run: a send that failed under TLS, or
+# the peer's FIN, is known to the connection only once the loop has run its callbacks.
+WRITE_SLICE = 16 * 1024
 PING_AFTER = 1.0  # seconds of silence, while messages wait, before the peer is PINGed
 PING_TIMEOUT = 5.0  # seconds a PING may wait for any frame back before the connection goes
 MAX_CONNECTIONS = 64  # inbound connections at once (in their handshake or served)
@@ -1158,8 +1161,9 @@ class TransportEndpoint:
             while not conn.closed:
                 await conn.wake.wait()
                 conn.wake.clear()
+                unyielded = 0
                 while not conn.closed:
-                    if writer.transport.is_closing():
+                    if _lost(writer.transport):
                         # Lost under us: what would be written now would only be counted
                         # as sent. The link gets another connection.
                         await self._close(conn, "the connection was lost")
@@ -1171,8 +1175,17 @@ class TransportEndpoint:
                     conn.frames_sent += 1
                     conn.bytes_sent += len(data)
                     conn.last_activity = time.time()
+                    unyielded += len(data)
                     if writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH:
                         await writer.drain()
+                        unyielded = 0
+                    elif unyielded >= WRITE_SLICE:
+                        # A TLS connection whose socket failed a send says so only
+                        # after the loop has run (its socket drops what it is given
+                        # meanwhile, so the buffer never fills): without this, a link's
+                        # whole window went into the void, each frame counted as sent.
+                        await asyncio.sleep(0)
+                        unyielded = 0
                 await writer.drain()
         except asyncio.CancelledError:
             return
@@ -1467,6 +1480,13 @@ async def _first_bytes(sock: socket.socket) -> bytes:
     return sock.recv(2, socket.MSG_PEEK)
 
 
+def _lost(transport: asyncio.BaseTransport) -> bool:
+    """Whether a connection's transport can write no more: closing, or lost under a TLS
+    transport of Python 3.10, which still says ``is_closing() == False`` then (and whose
+    ``get_write_buffer_size()`` raises) — but has no socket under it any more."""
+    return transport.is_closing() or transport.get_extra_info("socket") is None
+
+
 def _database_failed(what: str) -> None:
     """Log a failure of one of the endpoint's loops, which all try again (call it in the
     ``except`` block). A lost database is the broker's to tell, once per outage
@@ -1511,11 +1531,19 @@ def _other_version(version: object) -> str:
 
 
 def _closed_in_handshake(exc: BaseException, tls: ssl.SSLContext | None) -> str:
-    """Why a peer may have closed the connection before its WELCOME."""
+    """Why a peer may have closed the connection before its WELCOME (its transport
+    events say which)."""
     causes = "different transport keys, or another protocol version"
     if tls is None:
         causes += ", or it expects TLS"
-    return f"the peer closed the connection during the handshake ({causes}?)"
+    else:
+        # With TLS 1.3 a refused client certificate is told after our side has finished
+        # its TLS handshake, and asyncio drops the alert: it looks like a plain close.
+        causes += ", or it refused our TLS certificate (not signed by its --tls-ca?)"
+    return (
+        f"the peer closed the connection during the handshake ({causes}; its "
+        "transport events say which)"
+    )
 
 
 def _transport_key(key: bytes | str) -> bytes:
