@@ -739,7 +739,13 @@ class TransportEndpoint:
                 try:
                     conn = await asyncio.wait_for(self._open(link), CONNECT_TIMEOUT)
                 except Exception as exc:
-                    error = f"cannot connect to {link.address}: {_describe(exc)}"
+                    why = (
+                        f"no answer within {CONNECT_TIMEOUT:g} s (is a broker's endpoint "
+                        "listening there?)"
+                        if isinstance(exc, asyncio.TimeoutError)  # "TimeoutError: TimeoutError"
+                        else _describe(exc)
+                    )
+                    error = f"cannot connect to {link.address}: {why}"
                     if error != link.last_error:
                         log.warning("transport: %s", error)
                         if isinstance(exc, HandshakeRefused):
