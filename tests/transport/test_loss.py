@@ -223,8 +223,8 @@ def test_a_connection_lost_right_after_its_handshake_is_dialled_again(
     opened = TransportEndpoint._open
     lost: list[object] = []
 
-    async def open_then_lose(self: TransportEndpoint, link: object) -> object:
-        conn = await opened(self, link)  # type: ignore[arg-type]
+    async def open_then_lose(self: TransportEndpoint, link: object, *more: object) -> object:
+        conn = await opened(self, link, *more)  # type: ignore[arg-type]
         if not lost:
             lost.append(conn)
             await self._close(conn, "lost right after its handshake")

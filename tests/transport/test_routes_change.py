@@ -120,7 +120,7 @@ def test_messages_in_flight_follow_a_changed_route_at_once(
             send_all(a)
             poll(lambda: black_hole.accepted >= 1, 30, "A dials the black hole")
             poll(
-                lambda: any("no answer within 5 s" in s for s in statuses(a)),
+                lambda: any("no WELCOME within 5 s" in s for s in statuses(a)),
                 30,
                 "A's status says nothing answers",
                 explain=lambda: statuses(a),

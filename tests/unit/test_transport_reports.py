@@ -35,12 +35,26 @@ def test_a_crowd_of_hosts_is_told_within_one_budget(caplog: pytest.LogCaptureFix
         book.flush(1.0 + reports.WINDOW, force=True)
     # Then a bounded number of rows and lines were written: the budget told one by one,
     # and a count per source followed (the sources beyond MAX_SOURCES counted together)
-    limit = reports.TOTAL_PER_WINDOW + reports.MAX_SOURCES + 1
+    limit = reports.TOTAL_PER_WINDOW + reports.MAX_SOURCES + 1  # one kind
     assert len(rows) <= limit
     assert len(caplog.records) <= limit
     # And every event is accounted for in them
     assert told(rows) == 20 * 1000
-    assert any("from other hosts" in detail for *_, detail in rows)
+    others = [row for row in rows if "from other hosts" in row[3]]
+    assert len(others) == 1 and others[0][2] is None  # no one address stands for them
+
+
+def test_strangers_do_not_crowd_out_what_a_peer_with_the_key_did() -> None:
+    # Given a minute in which 1,000 keyless hosts each had connections rejected
+    rows: list[Row] = []
+    book = reports.Reports(lambda *event: rows.append(event))
+    for host in range(1000):
+        for _ in range(5):
+            book.report(1.0, "CONNECTION_REJECTED", f"10.1.{host // 256}.{host % 256}:1", "x", None)
+    # When the peer's connection gets a replayed frame
+    book.report(2.0, "REPLAYED_FRAME", "192.0.2.9:4022", "MESSAGE frame number 7", None)
+    # Then that one is recorded one by one, with its peer
+    assert rows[-1] == (2.0, "REPLAYED_FRAME", "192.0.2.9:4022", "MESSAGE frame number 7")
 
 
 @pytest.mark.parametrize(

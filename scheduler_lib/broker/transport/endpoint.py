@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # 2: the handshake proves the key both ways (HELLO, WELCOME, CONFIRM); 3: frames are
-# numbered per direction, a number is accepted once (frames.ReplayWindow)
+# numbered per direction, each must be above the last accepted (frames.ReplayGuard)
 PROTOCOL_VERSION = 3
 RETRY_INITIAL = 2.5  # seconds before an unacknowledged message goes again (then doubling)
 RETRY_MAX = 60.0  # seconds; the backoff's cap
@@ -124,13 +124,13 @@ class Connection:
         self.send_key = send_key  # one key per direction: a frame cannot be reflected
         self.receive_key = receive_key
         self.sent_number = 0  # the CONFIRM's (the dialler's) or none yet (the acceptor's)
-        self.received = frames.ReplayWindow()  # a frame replayed into the connection
+        self.received = frames.ReplayGuard()  # a frame replayed into the connection
         peername = writer.get_extra_info("peername")
         self.peer = f"{peername[0]}:{peername[1]}" if peername else "?"
         self.opened_at = self.last_activity = self.last_received = time.time()
         self.frames_sent = self.frames_received = 0
         self.bytes_sent = self.bytes_received = 0
-        self.corrupted = self.replayed = 0
+        self.corrupted = 0
         self.last_acked = 0.0  # when the peer last acknowledged one of our fragments here
         self.ping_sent_at: float | None = None  # a PING waits for any frame back
         self.ping_due = False  # a PING goes with the next frame
@@ -736,12 +736,12 @@ class TransportEndpoint:
         delay = DIAL_RETRY_FIRST
         try:
             while link.has_work() and not self._stopping.is_set():
+                waiting_for = ["connection", ""]  # what the dial waits for, a hint (_open's)
                 try:
-                    conn = await asyncio.wait_for(self._open(link), CONNECT_TIMEOUT)
+                    conn = await asyncio.wait_for(self._open(link, waiting_for), CONNECT_TIMEOUT)
                 except Exception as exc:
                     why = (
-                        f"no answer within {CONNECT_TIMEOUT:g} s (is a broker's endpoint "
-                        "listening there?)"
+                        f"no {waiting_for[0]} within {CONNECT_TIMEOUT:g} s{waiting_for[1]}"
                         if isinstance(exc, asyncio.TimeoutError)  # "TimeoutError: TimeoutError"
                         else _describe(exc)
                     )
@@ -770,11 +770,17 @@ class TransportEndpoint:
             if link.dialing is asyncio.current_task():
                 link.dialing = None
 
-    async def _open(self, link: Link) -> Connection:
+    async def _open(self, link: Link, waiting_for: list[str] | None = None) -> Connection:
         """Dial ``link``'s address and run the dialler's side of the handshake
         (frames.py): nothing but the HELLO is written before the far side has proved
         that it holds the transport key."""
+        waiting_for = ["", ""] if waiting_for is None else waiting_for
         host, port = routes.parse_address(link.address)
+        waiting_for[:] = (
+            ["connection", " (is anything listening there?)"]
+            if self._client_ssl is None
+            else ["connection and TLS handshake", " (is anything listening there, with TLS?)"]
+        )
         try:
             reader, writer = await asyncio.open_connection(host, port, ssl=self._client_ssl)
         except (ssl.SSLError, ConnectionResetError, asyncio.IncompleteReadError) as exc:
@@ -793,6 +799,11 @@ class TransportEndpoint:
                 "listen": self._advertise or self.address,
             }
             writer.write(frames.encode(frames.Kind.HELLO, hello, None, self._key))
+            waiting_for[:] = [
+                "WELCOME",
+                ": the peer took the connection and did not answer our HELLO (is it a "
+                "scheduler_lib broker's endpoint?)",
+            ]
             try:
                 welcome = await frames.read(reader, self._key, max_body=HANDSHAKE_MAX_BODY)
             except frames.CorruptFrame:
@@ -993,7 +1004,7 @@ class TransportEndpoint:
             if (
                 confirm.kind is not frames.Kind.CONFIRM
                 or not frames.proof_holds(confirm.header.get("proof"), keys.confirm_proof)
-                or confirm.header.get(frames.NUMBER) != 0
+                or not _is_zero(confirm.header.get(frames.NUMBER))
             ):
                 raise frames.CorruptFrame(confirm.kind, 0)
             return peer_broker, listen, keys
@@ -1082,10 +1093,9 @@ class TransportEndpoint:
                 if not conn.received.accept(number):
                     # Signed with this connection's key, so written on it before: someone
                     # on the path wrote it again. Its first copy was acted on.
-                    conn.replayed += 1
                     detail = (
-                        f"{frame.kind.name} frame number {number} was accepted before or is "
-                        f"older than the last {frames.REPLAY_WINDOW} (a replay)"
+                        f"{frame.kind.name} frame number {number} is not above the last "
+                        f"accepted, {conn.received.highest} (a replay)"
                     )
                     line = f"transport: dropped a replayed frame from {conn.peer}: {detail}"
                     self._event("REPLAYED_FRAME", conn.peer, detail, line)
@@ -1445,21 +1455,27 @@ class TransportEndpoint:
                 self._statuses[message_id] = (status, 0)  # counted once written
         self._dirty_statuses.clear()
         events, self._events = self._events, []
+        # Each part is let go once written; what a failure leaves goes back, to be written
+        # at the next flush (statuses carry attempts as increments: none written twice).
         try:
             if acked:
                 await loop.run_in_executor(self._writes, delivery.acknowledged, self._broker, acked)
                 with self._known_lock:
                     self._known.difference_update(message_id for message_id, _, _ in acked)
                 self._broker._wakeups.notify({wakeup.TRANSMISSION})  # room in the window
+                acked = []
             if dirty:
                 await loop.run_in_executor(self._writes, delivery.set_statuses, self._broker, dirty)
+                dirty = []
             if events:
                 await loop.run_in_executor(
                     self._writes, delivery.record_events, self._broker, events
                 )
+                events = []
         except Exception:
             _database_failed("writing to the database")
             self._acked[:0] = acked
+            self._released[:0] = dirty
             self._events[:0] = events
 
 
@@ -1484,6 +1500,11 @@ async def _first_bytes(sock: socket.socket) -> bytes:
     finally:
         loop.remove_reader(fd)
     return sock.recv(2, socket.MSG_PEEK)
+
+
+def _is_zero(number: object) -> bool:
+    """The CONFIRM's number: the integer 0 (not ``False``, not ``0.0``)."""
+    return type(number) is int and number == 0
 
 
 def _lost(transport: asyncio.BaseTransport) -> bool:

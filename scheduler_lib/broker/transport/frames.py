@@ -28,10 +28,10 @@ The proof keys and both directions' session keys come from HKDF-SHA256 (RFC 5869
 
 Every frame signed with a session key carries its number in its direction of the
 connection (header field ``#``: the CONFIRM is 0, each later frame one more). The receiver
-accepts a number once: a frame recorded on a connection and written into it again (a
-replay within the connection, which the session key alone does not stop) is dropped,
-as is one older than the last :data:`REPLAY_WINDOW` numbers. TCP delivers in order, so
-the window only spares frames that a middlebox reordered.
+accepts only a number above the last it accepted: a frame recorded on a connection and
+written into it again (a replay within the connection, which the session key alone does
+not stop), or moved within it, is dropped. TCP keeps a connection's bytes in order, so an
+honest peer's numbers only rise.
 
 A frame whose fixed prefix is wrong (magic, kind, sizes) is *garbage*: the stream can no
 longer be trusted and the connection is closed. A frame whose HMAC does not match is
@@ -72,7 +72,6 @@ class Kind(enum.IntEnum):
 
 
 NUMBER = "#"  # header field: the frame's number in its direction of the connection
-REPLAY_WINDOW = 64  # numbers below the highest accepted one still accepted once (RFC 4303)
 HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.WELCOME, Kind.CONFIRM})
 NONCE_BYTES = 16  # random bytes of each side's nonce (sent as 32 hex digits)
 
@@ -190,34 +189,26 @@ def proof_holds(given: object, expected: str) -> bool:
     return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 
 
-class ReplayWindow:
-    """The frame numbers accepted in one direction of a connection: each at most once,
-    and none older than :data:`REPLAY_WINDOW` below the highest (the anti-replay window
-    of IPsec, RFC 4303 section 3.4.3, and DTLS). Starts with the CONFIRM's 0 taken."""
+class ReplayGuard:
+    """The frame numbers of one direction of a connection: each must be above the last
+    one accepted. TCP delivers a connection's bytes in order, so an honest peer's
+    numbers only rise (with gaps where a corrupted frame was dropped); a number not
+    above the last is a frame written into the stream again, or moved in it. Starts with
+    the CONFIRM's 0 accepted."""
 
     def __init__(self) -> None:
         self.highest = 0
-        self._seen = 1  # bit i: number ``highest - i`` was accepted
 
     def accept(self, number: object) -> bool:
-        """Whether a frame numbered ``number`` is new (and from now on taken).
+        """Whether a frame numbered ``number`` comes after every frame accepted so far
+        (and from now on, the last accepted).
 
         :raises GarbageFrame: no number, or not a non-negative integer: a signed frame
             only a broken peer writes
         """
         if type(number) is not int or number < 0:
             raise GarbageFrame(f"frame number {number!r} is not a non-negative integer")
-        if number > self.highest:
-            shift = number - self.highest
-            # A jump past the window forgets it (and never shifts by a huge number).
-            self._seen = (self._seen << shift | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
-            self.highest = number
-            return True
-        back = self.highest - number
-        if back >= REPLAY_WINDOW or self._seen >> back & 1:
+        if number <= self.highest:
             return False
-        self._seen |= 1 << back
+        self.highest = number
         return True
-
-
-_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1

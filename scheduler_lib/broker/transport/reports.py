@@ -6,11 +6,15 @@ event kind and peer host, the first :data:`PER_WINDOW` of each :data:`WINDOW` se
 told one by one, and the rest as one line and one event when the window ends ("1,204 more
 corrupted frames from 10.0.0.7 in the last minute"). Many hosts at once (a botnet, or one
 IPv6 attacker with a /64 of addresses to come from) are bounded too: an IPv6 host counts
-as its /64, at most :data:`TOTAL_PER_WINDOW` events of a window are told one by one
-whatever their source, and beyond :data:`MAX_SOURCES` sources the rest count as one."""
+as its /64, at most :data:`TOTAL_PER_WINDOW` events of a kind in a window are told one by
+one whatever their source, and beyond :data:`MAX_SOURCES` sources of a kind the rest count
+as one. Each kind has its own budget and sources, so keyless strangers, who cause only
+rejected connections, cannot crowd out what a peer with the key did (a replayed or
+corrupted frame on its connection, a refused message)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import ipaddress
 import logging
@@ -68,23 +72,26 @@ class Reports:
     def __init__(self, record: Record) -> None:
         self._record = record
         self._windows: dict[tuple[str, str], _Window] = {}
-        self._all = _Window(started=float("-inf"))  # the budget of all sources together
+        self._sources: collections.Counter[str] = collections.Counter()  # windows per kind
+        self._budgets: dict[str, _Window] = {}  # per kind, all its sources together
 
     def report(
         self, now: float, kind: str, peer: str | None, detail: str, line: str | None
     ) -> None:
         """An event of ``kind`` from ``peer``, with its log line (``None``: event only)."""
         key = (kind, host_of(peer))
-        if key not in self._windows and len(self._windows) >= MAX_SOURCES:
+        if key not in self._windows and self._sources[kind] >= MAX_SOURCES:
             key = (kind, "*")  # so many hosts at once: one count for all of them
         window = self._windows.get(key)
         if window is None:
             window = self._windows[key] = _Window(started=now)
-        if now - self._all.started >= WINDOW:
-            self._all = _Window(started=now)
-        if window.told < PER_WINDOW and self._all.told < TOTAL_PER_WINDOW:
+            self._sources[kind] += 1
+        budget = self._budgets.get(kind)
+        if budget is None or now - budget.started >= WINDOW:
+            budget = self._budgets[kind] = _Window(started=now)
+        if window.told < PER_WINDOW and budget.told < TOTAL_PER_WINDOW:
             window.told += 1
-            self._all.told += 1
+            budget.told += 1
             if line is not None:
                 log.warning("%s", line)
             self._record(now, kind, peer, detail)
@@ -98,9 +105,11 @@ class Reports:
             if not force and now - window.started < WINDOW:
                 continue
             del self._windows[key]
+            kind, host = key
+            self._sources[kind] -= 1
             if window.held:
-                kind, host = key
-                host = "other hosts" if host == "*" else host
+                if host == "*":  # the last one's address would stand for all of them
+                    host, window.peer = "other hosts", None
                 what = WHAT.get(kind, kind)
                 seconds = now - window.started
                 text = (
