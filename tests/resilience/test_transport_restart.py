@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import os
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,10 +25,9 @@ from transport_catalog import (
     INITIATOR,
     INITIATOR_QUEUE,
     KEY,
-    REPLY,
     REQUEST,
     TARGET,
-    TARGET_QUEUE,
+    Replier,
     free_port,
     make_catalog,
 )
@@ -44,31 +42,6 @@ PER_CONVERSATION = 100  # 3,000 requests and as many replies (~6 s without a res
 RESTART_AFTER = 50  # replies back at A when its server stops: the run has begun
 OUTAGE = 5.0  # seconds A's server is down
 AFTER_RESTART = 120.0  # seconds for the rest once it is back (~10 s here)
-
-
-class Replier:
-    """Broker B's application: answers every request, and keeps what it received per
-    conversation, in the order received."""
-
-    def __init__(self, b: Broker) -> None:
-        self.b = b
-        self.received: dict[str, list[bytes]] = collections.defaultdict(list)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            with self.b.transaction() as tx:
-                got = tx.receive(TARGET_QUEUE, top=200, timeout=0.2)
-                for m in got:
-                    tx.send(m.conversation_handle, REPLY, b"re " + (m.body or b""))
-            for m in got:
-                self.received[str(m.conversation_handle)].append(m.body or b"")
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
 
 
 @pytest.fixture

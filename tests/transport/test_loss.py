@@ -27,9 +27,9 @@ from transport_catalog import (
     FAST_RETRY,
     INITIATOR,
     KEY,
-    REPLY,
     REQUEST,
     TARGET,
+    Replier,
     free_port,
 )
 from transport_catalog import INITIATOR_QUEUE as A_QUEUE
@@ -46,33 +46,6 @@ LARGE_COUNT = 5
 LOSSY = Faults(drop=0.10, duplicate=0.05, reorder=0.05, spare_handshake=False)
 CUT_EVERY = 2.0  # seconds between cuts of every proxied connection
 RETRY_MAX = endpoint.RETRY_MAX  # serve's default: the longest a retransmission waits
-
-
-class Replier:
-    """Broker B's application: answers every request, and keeps what it received (per
-    conversation, in the order received)."""
-
-    def __init__(self, b: Broker) -> None:
-        self.b = b
-        self.received: dict[str, list[bytes]] = collections.defaultdict(list)
-        self.count = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            with self.b.transaction() as tx:
-                got = tx.receive(B_QUEUE, top=200, timeout=0.2)
-                for m in got:
-                    tx.send(m.conversation_handle, REPLY, b"re " + (m.body or b"")[:20])
-            for m in got:
-                self.received[str(m.conversation_handle)].append(m.body or b"")
-            self.count += len(got)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
 
 
 @pytest.fixture

@@ -3,7 +3,9 @@ the tests under a name of its own, so no other folder's conftest can shadow it).
 
 from __future__ import annotations
 
+import collections
 import socket
+import threading
 
 from scheduler_lib.broker import Broker
 
@@ -33,3 +35,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class Replier:
+    """The target broker's application: answers every request on the target queue with
+    ``re `` and the request's first 20 bytes, and keeps what it received per
+    conversation, in the order received."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.received: dict[str, list[bytes]] = collections.defaultdict(list)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            with self.broker.transaction() as tx:
+                got = tx.receive(TARGET_QUEUE, top=200, timeout=0.2)
+                for m in got:
+                    tx.send(m.conversation_handle, REPLY, b"re " + (m.body or b"")[:20])
+            for m in got:
+                self.received[str(m.conversation_handle)].append(m.body or b"")
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)

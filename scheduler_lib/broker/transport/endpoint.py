@@ -770,11 +770,11 @@ class TransportEndpoint:
             if link.dialing is asyncio.current_task():
                 link.dialing = None
 
-    async def _open(self, link: Link, waiting_for: list[str] | None = None) -> Connection:
+    async def _open(self, link: Link, waiting_for: list[str]) -> Connection:
         """Dial ``link``'s address and run the dialler's side of the handshake
         (frames.py): nothing but the HELLO is written before the far side has proved
-        that it holds the transport key."""
-        waiting_for = ["", ""] if waiting_for is None else waiting_for
+        that it holds the transport key. ``waiting_for`` is kept at what it waits for
+        and a hint, for the caller's message if its deadline passes."""
         host, port = routes.parse_address(link.address)
         waiting_for[:] = (
             ["connection", " (is anything listening there?)"]
