@@ -36,7 +36,7 @@ from scheduler_lib.broker import (
     schema,
     transport,
 )
-from scheduler_lib.scheduler import reporting
+from scheduler_lib.scheduler import metrics, reporting
 
 T = TypeVar("T")
 DB_ENV = "SCHEDULER_LIB_DB"  # default for --db
@@ -210,11 +210,65 @@ def _serve(args: argparse.Namespace) -> int:
         rt = stack.enter_context(
             activation.running(broker, reader_mode=args.readers, skip_procedures={SPARK_PROCEDURE})
         )
+        if args.metrics_port is not None:
+            checks = {
+                "database": metrics.database_check(broker),
+                "readers": _runtime_check(lambda: rt),
+            }
+            host, port = stack.enter_context(
+                metrics.serving(broker, args.metrics_port, checks, host=args.metrics_host)
+            )
+            print(f"metrics on http://{host}:{port}/metrics, health on /healthz", flush=True)
         print(f"serving {broker.url.render_as_string()} (runtime {rt.runtime_id})", flush=True)
         while not stop.wait(0.5):  # a bounded wait, so the signal handler always gets to run
             pass
     print("stopped", flush=True)
     return 0
+
+
+def _runtime_check(
+    runtime: Callable[[], activation.ActivationRuntime | None],
+) -> metrics.Check:
+    """/healthz: the activation runtime's supervisor (which starts readers) and heartbeat
+    (which vouches for them) still loop."""
+
+    def check() -> tuple[bool, str]:
+        rt = runtime()
+        if rt is None:
+            return False, "stopped"
+        stopped = rt.stopped_threads()
+        if stopped:
+            return False, f"stopped: {', '.join(stopped)}"
+        return True, f"looping, {rt.readers} reader(s) running"
+
+    return check
+
+
+def _spark_check(spark_worker: Any) -> metrics.Check:
+    """/healthz: the worker's SparkContext (and its JVM) lives."""
+    from scheduler_lib.spark import session
+
+    def check() -> tuple[bool, str]:
+        spark = spark_worker.spark
+        if spark is None or session.stopped(spark):
+            return False, "the SparkContext stopped (or its JVM died)"
+        return True, f"application {spark_worker.application_id}"
+
+    return check
+
+
+def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        help="serve Prometheus metrics at /metrics and a health check at /healthz on this "
+        "port (default: not served)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=metrics.DEFAULT_HOST,
+        help="address the metrics port listens on (default %(default)s; 0.0.0.0 in a container)",
+    )
 
 
 def _transport_endpoint(broker: Broker, args: argparse.Namespace) -> transport.TransportEndpoint:
@@ -403,7 +457,18 @@ def _worker(args: argparse.Namespace) -> int:
             f"{args.max_readers} reader(s)",
             flush=True,
         )
-        spark_worker.run(stop)
+        with contextlib.ExitStack() as stack:
+            if args.metrics_port is not None:
+                checks = {
+                    "database": metrics.database_check(broker),
+                    "readers": _runtime_check(lambda: spark_worker.runtime),
+                    "spark": _spark_check(spark_worker),
+                }
+                host, port = stack.enter_context(
+                    metrics.serving(broker, args.metrics_port, checks, host=args.metrics_host)
+                )
+                print(f"metrics on http://{host}:{port}/metrics, health on /healthz", flush=True)
+            spark_worker.run(stop)
     print("stopped", flush=True)
     return 0
 
@@ -671,6 +736,13 @@ def _positive_int(text: str, what: str = "", high: int = INT_MAX) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    """A TCP port from 0 (any free one) to 65535."""
+    if text.strip() == "0":
+        return 0
+    return _positive_int(text, "a port is an integer from 0 to 65535", 65535)
+
+
 def _poison_id(text: str) -> int:
     return _positive_int(text, f"a poison id is a positive integer up to {ID_MAX}", ID_MAX)
 
@@ -764,6 +836,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=transport.endpoint.EVENTS_MAX,
         help="transport events kept at most, the newest (default %(default)s)",
     )
+    _add_metrics_flags(serve)
     serve.set_defaults(run=_serve)
 
     route = commands.add_parser(
@@ -830,6 +903,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the path of the script spark-submit runs to start a worker, and exit",
     )
+    _add_metrics_flags(worker)
     worker.set_defaults(run=_worker)
 
     queues = commands.add_parser("queues", help="queues, monitors and running readers")

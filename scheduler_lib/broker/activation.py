@@ -228,6 +228,11 @@ class ActivationRuntime:
         """Make the queue's monitor re-check now (what arrivals and receives do)."""
         self.broker._wakeups.notify({queue})
 
+    def stopped_threads(self) -> list[str]:
+        """Its supervisor and heartbeat threads that are no longer running (once started,
+        they run until :meth:`stop`): what a health check reports."""
+        return [t.name for t in self._threads if not t.is_alive()]
+
     @property
     def readers(self) -> int:
         """Readers this runtime is running now."""

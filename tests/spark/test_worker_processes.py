@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -29,6 +31,15 @@ T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent  # spark-submit and scheduler-lib live next to python
 DEADLINE = 120.0  # a JVM starts in ~10 s here; far more when the machine is busy
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+METRICS_PORT = _free_port()
 
 
 def poll(condition: Callable[[], T], what: str, timeout: float = DEADLINE) -> T:
@@ -65,8 +76,9 @@ def submitted_worker(sqlite_url: str) -> Iterator[tuple[subprocess.Popen[str], O
         capture_output=True,
         text=True,
     ).stdout.strip()
+    command = [str(BIN / "spark-submit"), "--master", "local[1]", entry, "--db", sqlite_url]
     process = subprocess.Popen(
-        [str(BIN / "spark-submit"), "--master", "local[1]", entry, "--db", sqlite_url],
+        [*command, "--metrics-port", str(METRICS_PORT)],  # as a cluster's health checks use
         env=environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -91,6 +103,13 @@ def test_spark_submit_hosts_the_worker_and_status_links_its_ui(
         "the worker to serve",
     )
     assert process.poll() is None, output.tail()
+    # Its health check names the Spark application it runs (and the database, the readers)
+    poll(lambda: output.has("health on /healthz"), "the metrics port")
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/healthz", timeout=30) as got:
+        healthy = json.loads(got.read())
+    assert healthy["healthy"] is True, healthy
+    assert healthy["checks"]["spark"]["detail"].startswith("application local-"), healthy
+    assert set(healthy["checks"]) == {"database", "readers", "spark"}, healthy
     with Broker(sqlite_url) as broker:
         report = TaskScheduler(broker).run_waves(
             [[{"kind": "spark_sql", "sql": "SELECT count(*) AS n FROM range(7)"}]]

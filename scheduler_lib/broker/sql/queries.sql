@@ -1113,3 +1113,32 @@ DELETE FROM transport_connections WHERE written_at < :before;
 -- name: transport_connection_list
 -- sys.dm_broker_connections: every running endpoint's connections.
 SELECT * FROM transport_connections ORDER BY endpoint_id, opened_at;
+
+-- name: metrics_queues
+-- Per queue, for /metrics (scheduler_lib.scheduler.metrics): its settings, the messages
+-- ready and leased, the oldest ready message's enqueue time, leases past their expiry
+-- (a worker that stopped renewing), the readers running. Each count is a range of an
+-- index over open rows; the leases and readers are as few as the tasks running.
+SELECT q.queue_name, q.is_receive_enabled, q.max_readers,
+    (SELECT count(*) FROM queue_messages m
+     WHERE m.queue_name = q.queue_name AND m.status = 1) AS ready,
+    (SELECT min(m.enqueued_at) FROM queue_messages m
+     WHERE m.queue_name = q.queue_name AND m.status = 1) AS oldest_ready_at,
+    (SELECT count(*) FROM message_leases l WHERE l.queue_name = q.queue_name) AS leased,
+    (SELECT count(*) FROM message_leases l
+     WHERE l.queue_name = q.queue_name AND l.expires_at <= :now) AS leases_expired,
+    (SELECT count(*) FROM activated_tasks t WHERE t.queue_name = q.queue_name) AS readers
+FROM queues q ORDER BY q.queue_name;
+
+-- name: metrics_transmission
+-- The transmission queue's messages (waiting for a remote broker) and the oldest's age.
+SELECT count(*) AS waiting, min(enqueued_at) AS oldest_at FROM transmission_queue;
+
+-- name: metrics_transport
+-- Live transport connections by direction, with the corrupted frames they met.
+SELECT direction, count(*) AS connections, coalesce(sum(corrupted_frames), 0) AS corrupted
+FROM transport_connections GROUP BY direction ORDER BY direction;
+
+-- name: health_ping
+-- /healthz: the database answers.
+SELECT 1 AS ok;

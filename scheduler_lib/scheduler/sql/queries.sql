@@ -238,3 +238,9 @@ SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, tas
 FROM execution_log
 WHERE scheduler_handle = :handle AND dag_id = :dag_id AND run_id = :run_id
 ORDER BY log_id DESC LIMIT :limit;
+
+-- name: metrics_tasks_open
+-- /metrics: tasks queued or running, by status, kind and target (the open rows' index).
+SELECT status, task_kind, target_service, count(*) AS tasks
+FROM execution_log WHERE end_time IS NULL
+GROUP BY status, task_kind, target_service ORDER BY status, task_kind, target_service;

@@ -1,0 +1,253 @@
+"""What ``scheduler-lib serve`` and ``scheduler-lib worker`` show an operator without SQL:
+Prometheus metrics at ``/metrics`` and a health check at ``/healthz`` (``--metrics-port``).
+
+The metrics are read from the database at each scrape (a few index-range counts in one
+transaction, as a Prometheus exporter for a database does), so every process serving them
+shows the same broker — the queues, leases, readers and open tasks of all processes, not
+only its own — and a scrape costs nothing between scrapes. The process's own CPU, memory
+and file descriptors come from ``prometheus_client``'s process collector.
+
+Why ``prometheus_client``: ``/metrics`` is a pull endpoint in Prometheus's exposition
+format, which is what that client library exists to serve (the OpenTelemetry SDK serves
+it only through an exporter built on this same library). OpenTelemetry users reach these
+metrics through the OpenTelemetry Collector's ``prometheus`` receiver scraping this
+endpoint (docs/operations.md, "Metrics and health").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from scheduler_lib.broker import Broker, exceptions
+from scheduler_lib.scheduler import catalog
+
+log = logging.getLogger(__name__)
+
+PREFIX = "scheduler_lib"
+DEFAULT_HOST = "127.0.0.1"
+# A check that names what is wrong: (healthy, what it saw)
+Check = Callable[[], tuple[bool, str]]
+
+
+class BrokerCollector(Collector):
+    """The broker's and the scheduler's state, read from the database at each scrape.
+
+    :param broker: the broker whose database is read
+    :param clock: seconds since the epoch (the ages are measured against it)
+    """
+
+    def __init__(self, broker: Broker, clock: Callable[[], float] = time.time) -> None:
+        self._broker = broker
+        self._clock = clock
+        broker.use_queries(catalog.QUERIES)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        started = time.monotonic()
+        now = self._clock()
+        up = _gauge("database_up", "1 when this scrape could read the database, else 0")
+        try:
+            # One transaction: the figures of one scrape are of one moment. No retry: a
+            # scrape during an outage says so at once (database_up 0) instead of waiting.
+            with self._broker.transaction() as tx:
+                queues = tx.fetch("metrics_queues", now=now)
+                transmission = tx.fetch_one("metrics_transmission") or {}
+                transport = tx.fetch("metrics_transport")
+        except exceptions.BrokerError as exc:
+            log.debug("metrics: the database did not answer: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from _queue_metrics(queues, now)
+        yield from _transport_metrics(transmission, transport, now)
+        yield from self._scheduler_metrics(now)
+        took = _gauge("scrape_duration_seconds", "how long reading the database took")
+        took.add_metric([], time.monotonic() - started)
+        yield took
+
+    def _scheduler_metrics(self, now: float) -> Iterator[GaugeMetricFamily]:
+        try:
+            with self._broker.transaction() as tx:
+                tasks = tx.fetch("metrics_tasks_open")
+                semaphores = tx.fetch("semaphore_list", now=now)
+        except exceptions.BrokerError as exc:
+            # A broker without the scheduler's schema (`init --no-scheduler`) has no tasks.
+            log.debug("metrics: no scheduler figures: %s", exc)
+            return
+        open_tasks = _gauge("tasks", "tasks queued or running now", ["status", "kind", "target"])
+        for row in tasks:
+            open_tasks.add_metric(
+                [row["status"], row["task_kind"], row["target_service"]], row["tasks"]
+            )
+        yield open_tasks
+        permits = _gauge("semaphore_permits", "how many may hold the semaphore", ["semaphore"])
+        held = _gauge("semaphore_held", "how many hold the semaphore now", ["semaphore"])
+        for row in semaphores:
+            permits.add_metric([row["semaphore_name"]], row["permits"])
+            held.add_metric([row["semaphore_name"]], row["held"])
+        yield permits
+        yield held
+
+
+def _queue_metrics(rows: list[Mapping[str, Any]], now: float) -> Iterator[GaugeMetricFamily]:
+    messages = _gauge(
+        "queue_messages",
+        "messages on the queue: ready to be received, or leased to a worker running them",
+        ["queue", "state"],
+    )
+    oldest = _gauge(
+        "queue_oldest_message_age_seconds",
+        "age of the oldest ready message (0 when none is ready)",
+        ["queue"],
+    )
+    expired = _gauge(
+        "queue_leases_expired",
+        "leases past their expiry (their worker stopped renewing them)",
+        ["queue"],
+    )
+    readers = _gauge("queue_readers", "activated readers running on the queue", ["queue"])
+    max_readers = _gauge("queue_max_readers", "the queue's MAX_QUEUE_READERS", ["queue"])
+    enabled = _gauge(
+        "queue_enabled",
+        "1 while the queue receives, 0 when it is off (poison message handling turns a queue off)",
+        ["queue"],
+    )
+    for row in rows:
+        queue = row["queue_name"]
+        messages.add_metric([queue, "ready"], row["ready"])
+        messages.add_metric([queue, "leased"], row["leased"])
+        first = row["oldest_ready_at"]
+        oldest.add_metric([queue], 0.0 if first is None else max(0.0, now - first))
+        expired.add_metric([queue], row["leases_expired"])
+        readers.add_metric([queue], row["readers"])
+        max_readers.add_metric([queue], row["max_readers"])
+        enabled.add_metric([queue], 1 if row["is_receive_enabled"] else 0)
+    yield from (messages, oldest, expired, readers, max_readers, enabled)
+
+
+def _transport_metrics(
+    transmission: Mapping[str, Any], transport: list[Mapping[str, Any]], now: float
+) -> Iterator[GaugeMetricFamily]:
+    waiting = _gauge(
+        "transmission_queue_messages", "messages waiting to be delivered to a remote broker"
+    )
+    waiting.add_metric([], transmission.get("waiting") or 0)
+    oldest = _gauge(
+        "transmission_queue_oldest_message_age_seconds",
+        "age of the oldest message waiting for a remote broker (0 when none waits)",
+    )
+    first = transmission.get("oldest_at")
+    oldest.add_metric([], 0.0 if first is None else max(0.0, now - first))
+    connections = _gauge(
+        "transport_connections", "live broker-to-broker connections", ["direction"]
+    )
+    corrupted = _gauge(
+        "transport_corrupted_frames",
+        "frames that failed their signature on the live connections",
+        ["direction"],
+    )
+    for row in transport:
+        connections.add_metric([row["direction"]], row["connections"])
+        corrupted.add_metric([row["direction"]], row["corrupted"])
+    yield from (waiting, oldest, connections, corrupted)
+
+
+def _gauge(name: str, documentation: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", documentation, labels=list(labels))
+
+
+def database_check(broker: Broker) -> Check:
+    """Healthy while the database answers a query now (no retry)."""
+
+    def check() -> tuple[bool, str]:
+        try:
+            with broker.transaction() as tx:
+                tx.fetch("health_ping")
+        except exceptions.BrokerError as exc:
+            return False, str(exc).splitlines()[0]
+        return True, "answers"
+
+    return check
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds the process at exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes every few seconds are not news."""
+
+
+def wsgi_app(
+    registry: CollectorRegistry, checks: Mapping[str, Check]
+) -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:
+    """``/metrics`` (prometheus_client's own app: formats, compression) and ``/healthz``
+    (200 when every check holds, else 503; JSON naming each check's finding)."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return metrics(environ, start_response)
+        if path == "/healthz":
+            results = {}
+            for name, check in checks.items():
+                try:
+                    ok, detail = check()
+                except Exception as exc:  # a broken check is an unhealthy one, said
+                    ok, detail = False, f"{type(exc).__name__}: {exc}"
+                results[name] = {"ok": ok, "detail": detail}
+            healthy = all(r["ok"] for r in results.values())
+            body = json.dumps({"healthy": healthy, "checks": results}).encode()
+            status = "200 OK" if healthy else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "application/json")])
+            return [body]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"/metrics or /healthz\n"]
+
+    return app
+
+
+@contextlib.contextmanager
+def serving(
+    broker: Broker, port: int, checks: Mapping[str, Check], host: str = DEFAULT_HOST
+) -> Iterator[tuple[str, int]]:
+    """Serve ``/metrics`` and ``/healthz`` on ``host:port`` (port 0: any free one) in a
+    daemon thread until the block ends; yields the address it listens on.
+
+    :raises exceptions.InvalidArgument: when the address cannot be listened on
+    """
+    registry = CollectorRegistry()
+    registry.register(BrokerCollector(broker))
+    ProcessCollector(registry=registry)
+    try:
+        server = make_server(
+            host, port, wsgi_app(registry, checks), _Server, handler_class=_QuietHandler
+        )
+    except OSError as exc:
+        raise exceptions.InvalidArgument(
+            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}",
+            hint="pick another --metrics-port (or stop what listens there)",
+        ) from exc
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    try:
+        yield str(server.server_address[0]), int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
