@@ -40,7 +40,7 @@ from scheduler_lib.broker import (
     activation,
 )
 from scheduler_lib.broker.poison import Lease, PoisonEvent
-from scheduler_lib.scheduler import catalog
+from scheduler_lib.scheduler import catalog, metrics
 from scheduler_lib.scheduler.errors import InvalidTask, KindNotAllowed
 from scheduler_lib.scheduler.kinds import Task, TaskContext, as_task, get_kind, job_group_of
 from scheduler_lib.scheduler.semaphores import Semaphores
@@ -361,6 +361,7 @@ class Executor:
     # --- running ---------------------------------------------------------------------
 
     def _run(self, lease: Lease, log_id: int, task: Task, origin: Origin | None) -> None:
+        began = time.time()
         recorded = self._spark_at_start(task, log_id)
 
         def record_spark(
@@ -427,6 +428,9 @@ class Executor:
             if lost:
                 raise next(iter(lost.values()))
             self._commit_outcome(log_id, commit_outcome)
+            metrics.task_finished(
+                self.queue, task.kind, status, ended_at - began, began - lease.message.enqueued_at
+            )
         except LeaseLost:
             # Unless our own commit went through before its connection was lost, it
             # expired meanwhile (the poison policy retried or failed it and told the

@@ -26,11 +26,17 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    make_wsgi_app,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler_lib.broker import Broker, exceptions
+from scheduler_lib.broker import Broker, Transaction, exceptions
 from scheduler_lib.scheduler import catalog
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,48 @@ PREFIX = "scheduler_lib"
 DEFAULT_HOST = "127.0.0.1"
 # A check that names what is wrong: (healthy, what it saw)
 Check = Callable[[], tuple[bool, str]]
+
+
+# What this process's executors did: each process serving /metrics shows its own, and
+# Prometheus adds them up across processes (these are counts of events, which the
+# database does not keep: a finished task leaves only its row).
+LOCAL = CollectorRegistry()
+TASKS_FINISHED = Counter(
+    f"{PREFIX}_tasks_finished",
+    "tasks this process ran to an end, by how they ended",
+    ["queue", "kind", "status"],
+    registry=LOCAL,
+)
+TASK_DURATION = Histogram(
+    f"{PREFIX}_task_duration_seconds",
+    "how long this process's tasks ran (start to end, before the answer's commit)",
+    ["queue", "kind"],
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600),
+    registry=LOCAL,
+)
+DISPATCH_LATENCY = Histogram(
+    f"{PREFIX}_task_dispatch_latency_seconds",
+    "from the task's arrival on its queue to its start in this process",
+    ["queue", "kind"],
+    buckets=(0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+    registry=LOCAL,
+)
+
+
+def task_finished(
+    queue: str, kind: str, status: str, duration: float, dispatch_latency: float
+) -> None:
+    """Count a task this process ran to an end (its outcome committed)."""
+    TASKS_FINISHED.labels(queue, kind, status).inc()
+    TASK_DURATION.labels(queue, kind).observe(max(0.0, duration))
+    DISPATCH_LATENCY.labels(queue, kind).observe(max(0.0, dispatch_latency))
+
+
+class _Local(Collector):
+    """The process's own counters (:data:`LOCAL`) in a served registry."""
+
+    def collect(self) -> Iterable[Metric]:
+        return LOCAL.collect()
 
 
 class BrokerCollector(Collector):
@@ -64,6 +112,7 @@ class BrokerCollector(Collector):
                 queues = tx.fetch("metrics_queues", now=now)
                 transmission = tx.fetch_one("metrics_transmission") or {}
                 transport = tx.fetch("metrics_transport")
+                scheduler = _scheduler_rows(tx, now)
         except exceptions.BrokerError as exc:
             log.debug("metrics: the database did not answer: %s", exc)
             up.add_metric([], 0)
@@ -73,33 +122,45 @@ class BrokerCollector(Collector):
         yield up
         yield from _queue_metrics(queues, now)
         yield from _transport_metrics(transmission, transport, now)
-        yield from self._scheduler_metrics(now)
+        if scheduler is not None:
+            yield from _scheduler_metrics(*scheduler)
         took = _gauge("scrape_duration_seconds", "how long reading the database took")
         took.add_metric([], time.monotonic() - started)
         yield took
 
-    def _scheduler_metrics(self, now: float) -> Iterator[GaugeMetricFamily]:
-        try:
-            with self._broker.transaction() as tx:
-                tasks = tx.fetch("metrics_tasks_open")
-                semaphores = tx.fetch("semaphore_list", now=now)
-        except exceptions.BrokerError as exc:
-            # A broker without the scheduler's schema (`init --no-scheduler`) has no tasks.
-            log.debug("metrics: no scheduler figures: %s", exc)
-            return
-        open_tasks = _gauge("tasks", "tasks queued or running now", ["status", "kind", "target"])
-        for row in tasks:
-            open_tasks.add_metric(
-                [row["status"], row["task_kind"], row["target_service"]], row["tasks"]
-            )
-        yield open_tasks
-        permits = _gauge("semaphore_permits", "how many may hold the semaphore", ["semaphore"])
-        held = _gauge("semaphore_held", "how many hold the semaphore now", ["semaphore"])
-        for row in semaphores:
-            permits.add_metric([row["semaphore_name"]], row["permits"])
-            held.add_metric([row["semaphore_name"]], row["held"])
-        yield permits
-        yield held
+
+def _scheduler_rows(
+    tx: Transaction, now: float
+) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]] | None:
+    """The open tasks and the semaphores, in the scrape's transaction (its figures agree
+    with the queues': a task leased is a task running); ``None`` on a broker without the
+    scheduler's schema (``init --no-scheduler``)."""
+    try:
+        with tx.savepoint():
+            return tx.fetch("metrics_tasks_open"), tx.fetch("semaphore_list", now=now)
+    except exceptions.ConnectionLost:
+        raise
+    except exceptions.BrokerError as exc:
+        log.debug("metrics: no scheduler figures: %s", exc)
+        return None
+
+
+def _scheduler_metrics(
+    tasks: list[Mapping[str, Any]], semaphores: list[Mapping[str, Any]]
+) -> Iterator[GaugeMetricFamily]:
+    open_tasks = _gauge("tasks", "tasks queued or running now", ["status", "kind", "target"])
+    for row in tasks:
+        open_tasks.add_metric(
+            [row["status"], row["task_kind"], row["target_service"]], row["tasks"]
+        )
+    yield open_tasks
+    permits = _gauge("semaphore_permits", "how many may hold the semaphore", ["semaphore"])
+    held = _gauge("semaphore_held", "how many hold the semaphore now", ["semaphore"])
+    for row in semaphores:
+        permits.add_metric([row["semaphore_name"]], row["permits"])
+        held.add_metric([row["semaphore_name"]], row["held"])
+    yield permits
+    yield held
 
 
 def _queue_metrics(rows: list[Mapping[str, Any]], now: float) -> Iterator[GaugeMetricFamily]:
@@ -233,6 +294,7 @@ def serving(
     """
     registry = CollectorRegistry()
     registry.register(BrokerCollector(broker))
+    registry.register(_Local())
     ProcessCollector(registry=registry)
     try:
         server = make_server(

@@ -82,8 +82,21 @@ def test_serve_shows_its_queues_and_tasks_and_says_when_the_database_is_gone(
                 },
             },
         )
-        # When more tasks are sent than the target runs at once
+        # When a wave of two runs, one failing
         scheduler = TaskScheduler(broker)
+        wave = [Task.python("math:sqrt", 4.0), Task.python("math:sqrt", -1.0)]
+        report = scheduler.run_waves([wave], policy="continue")
+        assert sorted(c.ok for c in report.completions) == [False, True]
+        # Then serve's own counters say how they ended, and how long they waited and ran
+        ran = scrape(port)
+        labels = (("kind", "python"), ("queue", Target.queue))
+        for status in ("SUCCEEDED", "FAILED"):
+            sample = ("scheduler_lib_tasks_finished_total", (*labels, ("status", status)))
+            assert ran[sample] == 1, sorted(k for k in ran if "finished" in k[0])
+        assert ran[("scheduler_lib_task_duration_seconds_count", labels)] == 2
+        assert ran[("scheduler_lib_task_dispatch_latency_seconds_count", labels)] == 2
+        assert 0 < ran[("scheduler_lib_task_dispatch_latency_seconds_sum", labels)] < 60
+        # When more tasks are sent than the target runs at once
         handle = scheduler.get_scheduler()
         scheduler.exec_many(
             handle, [Task.python("time:sleep", SLEEP, name=f"sleep {i}") for i in range(TASKS)]
@@ -99,7 +112,10 @@ def test_serve_shows_its_queues_and_tasks_and_says_when_the_database_is_gone(
                     (("kind", "python"), ("status", "RUNNING"), ("target", target)),
                 )
             )
-            return seen if running == READERS else None
+            leased = seen.get(
+                ("scheduler_lib_queue_messages", (("queue", queue), ("state", "leased")))
+            )
+            return seen if running == leased == READERS else None
 
         first = poll(settled, 60, f"{READERS} tasks running", explain=lambda: scrape(port))
         q = (("queue", queue),)
