@@ -12,7 +12,7 @@ import signal
 import sqlite3
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -36,7 +36,7 @@ from scheduler_lib.broker import (
     schema,
     transport,
 )
-from scheduler_lib.scheduler import metrics, reporting
+from scheduler_lib.scheduler import logs, metrics, reporting
 
 T = TypeVar("T")
 DB_ENV = "SCHEDULER_LIB_DB"  # default for --db
@@ -197,6 +197,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Run queue monitors and their readers until SIGTERM / SIGINT."""
+    _log_to_stderr(args, "%(asctime)s %(levelname)s %(message)s")
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -257,6 +258,24 @@ def _spark_check(spark_worker: Any) -> metrics.Check:
     return check
 
 
+def _add_service_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the long-running commands: logging, metrics and health."""
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="text lines, or one JSON object per line (with the task's log_id, handle, "
+        "name and kind on lines logged while it runs)",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default="INFO",
+        help="the lowest level logged (default %(default)s)",
+    )
+    _add_metrics_flags(parser)
+
+
 def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port",
@@ -273,8 +292,6 @@ def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
 
 def _transport_endpoint(broker: Broker, args: argparse.Namespace) -> transport.TransportEndpoint:
     """The endpoint ``serve --listen`` runs, from its flags."""
-
-    _log_to_stderr("%(asctime)s %(levelname)s %(message)s")
     server_ssl = client_ssl = None
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
@@ -298,17 +315,60 @@ def _transport_endpoint(broker: Broker, args: argparse.Namespace) -> transport.T
 
 
 class _UtcFormatter(logging.Formatter):
-    """Log lines stamped as everything else this command prints: ISO 8601 in UTC."""
+    """Log lines stamped as everything else this command prints: ISO 8601 in UTC; a line
+    logged while a task runs names it, unless it does already."""
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         return reporting.utc(record.created, "milliseconds")
 
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        log_id = getattr(record, "log_id", None)
+        if log_id is not None and f"task {log_id}" not in record.getMessage():
+            line += f" [task {log_id}: {getattr(record, 'task_name', None)}]"
+        return line
 
-def _log_to_stderr(line_format: str) -> None:
-    """INFO and above to stderr, for the long-running commands (serve, worker)."""
+
+def _json_formatter() -> logging.Formatter:
+    """One JSON object per line (structlog's renderer over the standard library's
+    records): time in UTC, level, logger, message, the task's fields while one runs, and
+    an exception's traceback as one string."""
+    import structlog
+
+    def drop_empty(_: Any, __: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
+        return {k: v for k, v in event.items() if v is not None}
+
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.stdlib.ExtraAdder(allow=logs.FIELDS),
+            drop_empty,
+        ],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+    )
+
+
+def _log_to_stderr(args: argparse.Namespace, line_format: str) -> None:
+    """``--log-level`` and above to stderr, as text lines or JSON (``--log-format``), for
+    the long-running commands (serve, worker). Libraries' chatter (py4j's connections,
+    alembic's context lines) only at DEBUG."""
     handler = logging.StreamHandler()
-    handler.setFormatter(_UtcFormatter(line_format))
-    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    handler.addFilter(logs.TaskFields())
+    if args.log_format == "json":
+        handler.setFormatter(_json_formatter())
+    else:
+        handler.setFormatter(_UtcFormatter(line_format))
+    level = logging.getLevelName(args.log_level)
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+    if level > logging.DEBUG:
+        for noisy in ("py4j", "alembic"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def _routes(args: argparse.Namespace) -> int:
@@ -414,7 +474,7 @@ def _worker(args: argparse.Namespace) -> int:
 
         print(worker_entry.__file__)
         return 0
-    _log_to_stderr("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(args, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     conf = session.parse_conf(args.conf)
     command = None
     if args.launch_command:
@@ -836,7 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=transport.endpoint.EVENTS_MAX,
         help="transport events kept at most, the newest (default %(default)s)",
     )
-    _add_metrics_flags(serve)
+    _add_service_flags(serve)
     serve.set_defaults(run=_serve)
 
     route = commands.add_parser(
@@ -903,7 +963,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the path of the script spark-submit runs to start a worker, and exit",
     )
-    _add_metrics_flags(worker)
+    _add_service_flags(worker)
     worker.set_defaults(run=_worker)
 
     queues = commands.add_parser("queues", help="queues, monitors and running readers")

@@ -40,7 +40,7 @@ from scheduler_lib.broker import (
     activation,
 )
 from scheduler_lib.broker.poison import Lease, PoisonEvent
-from scheduler_lib.scheduler import catalog, metrics
+from scheduler_lib.scheduler import catalog, logs, metrics
 from scheduler_lib.scheduler.errors import InvalidTask, KindNotAllowed
 from scheduler_lib.scheduler.kinds import Task, TaskContext, as_task, get_kind, job_group_of
 from scheduler_lib.scheduler.semaphores import Semaphores
@@ -183,7 +183,14 @@ class Executor:
                 self.broker.release(lease)
             raise
         if started is not None:
-            self._run(lease, *started)
+            log_id, task, _ = started
+            with logs.about_task(
+                log_id=log_id,
+                conversation_handle=str(lease.message.conversation_handle),
+                task_name=task.label,
+                task_kind=task.kind,
+            ):
+                self._run(lease, *started)
         return True
 
     def _start_riding_through(

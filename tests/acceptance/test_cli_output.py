@@ -33,6 +33,7 @@ import sqlalchemy as sa
 from scheduler_lib import __version__
 from scheduler_lib.broker import Broker, Log, Message, PoisonDetector, PoisonPolicy, Transaction
 from scheduler_lib.broker import schema as broker_schema
+from scheduler_lib.scheduler import Task, TaskScheduler
 
 CLI = str(Path(sys.executable).parent / "scheduler-lib")
 AHEAD_OF_UTC = {"TZ": "XYZ-5:45"}  # POSIX: local time = UTC + 5:45 (no tz database needed)
@@ -469,6 +470,39 @@ def test_serve_logs_in_utc(
     # Then the line's time is ISO 8601 in UTC, in milliseconds
     assert "." in found.group(1)
     _utc(found.group(1), before, after)
+
+
+@pytest.mark.parametrize("log_format", ["json", "text"])
+def test_serve_names_the_task_on_the_lines_logged_while_it_runs(
+    sqlite_url: str, tmp_path: Path, serving: list[subprocess.Popen[bytes]], log_format: str
+) -> None:
+    # Given serve, its log as JSON lines or text
+    _ok("init", "--db", sqlite_url)
+    process, out, err = _serve(serving, tmp_path, "--db", sqlite_url, "--log-format", log_format)
+    _wait_for(out, "^serving", process)
+    # When a task logs a warning of its own while it runs
+    with Broker(sqlite_url) as broker:
+        report = TaskScheduler(broker).run_waves(
+            [[Task.python("logging:warning", "disk nearly full", name="cleanup")]]
+        )
+    [done] = report.completions
+    assert done.ok, done.error
+    # Then its line names the task: its log id, conversation handle, name and kind
+    if log_format == "json":
+        found = _wait_for(err, r"^.*disk nearly full.*$", process)
+        line = json.loads(found.group(0))
+        assert line["event"] == "disk nearly full" and line["level"] == "warning", line
+        assert line["log_id"] == done.log_id and line["task_name"] == "cleanup", line
+        assert line["task_kind"] == "python", line
+        # (the reader's side of the scheduler's conversation: each side has its handle)
+        assert uuid.UUID(line["conversation_handle"]) != report.scheduler_handle, line
+        assert line["timestamp"].endswith("Z"), line  # UTC
+        # and every line is one JSON object
+        for text in err.read_text().splitlines():
+            json.loads(text)
+    else:
+        line = _wait_for(err, r"^.*disk nearly full.*$", process).group(0)
+        assert line.endswith(f"WARNING disk nearly full [task {done.log_id}: cleanup]"), line
 
 
 # --- 4. Durations: finite, not negative ----------------------------------------------
