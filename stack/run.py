@@ -79,6 +79,10 @@ DEFAULTS = {
     "SPARK_WORKER_2_UI_PORT": "8083",
     "SPARK_DRIVER_1_UI_PORT": "4040",
     "SPARK_DRIVER_2_UI_PORT": "4041",
+    # /metrics and /healthz of each scheduler-lib process (docs/operations.md)
+    "SCHEDULER_LIB_WORKER_1_METRICS_PORT": "9464",
+    "SCHEDULER_LIB_WORKER_2_METRICS_PORT": "9465",
+    "SCHEDULER_LIB_SERVE_METRICS_PORT": "9466",
     "SPARK_WORKER_CORES": "2",
     "SPARK_WORKER_MEMORY": "1g",
     "SPARK_EXECUTOR_MEMORY": "512m",

@@ -2,8 +2,9 @@
 
 The executor sets :data:`TASK` around each task it runs (its ``log_id``, the handle of
 the reader's side of its scheduler's conversation, its name and kind); :class:`TaskFields`
-copies it onto every record logged meanwhile by that thread — the executor's own lines, the task kind's, a library's the task calls — so a
-line is found by its task's id (``scheduler-lib serve|worker --log-format json``).
+copies it onto every record logged meanwhile by that thread — the executor's own lines,
+the task kind's, a library's the task calls — so a line is found by its task's id
+(``scheduler-lib serve|worker --log-format json``).
 """
 
 from __future__ import annotations

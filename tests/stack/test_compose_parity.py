@@ -77,8 +77,8 @@ PROCESS_ONLY = {
 #   is given (a full path to spark-class or, through bash, spark-submit).
 AIRFLOW_ENTRY_POINT = ["airflow"]
 
-HOST_FLAGS = {"--host"}
-PORT_FLAGS = {"--port", "--webui-port", "-p"}
+HOST_FLAGS = {"--host", "--metrics-host"}
+PORT_FLAGS = {"--port", "--webui-port", "-p", "--metrics-port"}
 HOST_CONFS = {"spark.driver.host", "spark.driver.bindAddress"}
 PORT_CONFS = {"spark.ui.port"}
 # Where a Spark application keeps state: a named volume in compose, .stack/ on one machine.

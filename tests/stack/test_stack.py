@@ -19,14 +19,17 @@ allow); then
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.airflow_standalone import HarnessError, quote, wait_for
 from tests.airflow.test_standalone import CHROME_FLAGS, PAGE_STATE
@@ -151,6 +154,20 @@ def test_make_stack_runs_both_example_dags_over_two_workers(
     assert {r["wave"] for r in rows} == {1, 2, 3, 4}
     assert all(r["spark_application_id"] in applications for r in rows)
     assert {r["status"] for r in stack.log_rows(runs[BLOG])} == {"SUCCEEDED"}
+
+    # And each scheduler-lib process says it is healthy on its metrics port, and the two
+    # worker applications' own counters add up to the ETL run's Spark tasks at least
+    finished = 0.0
+    for process in ("WORKER_1", "WORKER_2", "SERVE"):
+        port = stack.env[f"SCHEDULER_LIB_{process}_METRICS_PORT"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as got:
+            assert json.loads(got.read())["healthy"] is True, process
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as got:
+            for family in text_string_to_metric_families(got.read().decode()):
+                for sample in family.samples:
+                    if sample.name == "scheduler_lib_tasks_finished_total" and process != "SERVE":
+                        finished += sample.value
+    assert finished >= len(rows), (finished, len(rows))
 
 
 @pytest.mark.stack_stop
