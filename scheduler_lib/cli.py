@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import signal
 import sqlite3
 import sys
@@ -237,9 +238,9 @@ def _runtime_check(
         rt = runtime()
         if rt is None:
             return False, "stopped"
-        stopped = rt.stopped_threads()
-        if stopped:
-            return False, f"stopped: {', '.join(stopped)}"
+        stalled = rt.stalled_loops()
+        if stalled:
+            return False, f"not looping: {', '.join(stalled)}"
         return True, f"looping, {rt.readers} reader(s) running"
 
     return check
@@ -321,10 +322,10 @@ class _UtcFormatter(logging.Formatter):
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         return reporting.utc(record.created, "milliseconds")
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)  # before a traceback, which follows
         log_id = getattr(record, "log_id", None)
-        if log_id is not None and f"task {log_id}" not in record.getMessage():
+        if log_id is not None and not re.search(rf"\btask {log_id}\b", record.getMessage()):
             line += f" [task {log_id}: {getattr(record, 'task_name', None)}]"
         return line
 
@@ -368,7 +369,8 @@ def _log_to_stderr(args: argparse.Namespace, line_format: str) -> None:
     logging.basicConfig(level=level, handlers=[handler], force=True)
     if level > logging.DEBUG:
         for noisy in ("py4j", "alembic"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
+            logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    logging.captureWarnings(True)  # a library's warnings as log lines (JSON too)
 
 
 def _routes(args: argparse.Namespace) -> int:
@@ -510,14 +512,10 @@ def _worker(args: argparse.Namespace) -> int:
             max_launched=args.max_launched or 1,
             idle_exit=idle_exit,
             app_name=args.app_name,
-        ).start()
-        print(
-            f"worker serving {args.queue} on {broker.url.render_as_string()}: Spark application "
-            f"{spark_worker.application_id}, UI {spark_worker.ui_url or 'off'}, "
-            f"{args.max_readers} reader(s)",
-            flush=True,
         )
         with contextlib.ExitStack() as stack:
+            # Listening first: a taken port is said before Spark starts (unhealthy until
+            # the session and the readers run).
             if args.metrics_port is not None:
                 checks = {
                     "database": metrics.database_check(broker),
@@ -528,6 +526,13 @@ def _worker(args: argparse.Namespace) -> int:
                     metrics.serving(broker, args.metrics_port, checks, host=args.metrics_host)
                 )
                 print(f"metrics on http://{host}:{port}/metrics, health on /healthz", flush=True)
+            spark_worker.start()
+            print(
+                f"worker serving {args.queue} on {broker.url.render_as_string()}: Spark "
+                f"application {spark_worker.application_id}, UI {spark_worker.ui_url or 'off'}, "
+                f"{args.max_readers} reader(s)",
+                flush=True,
+            )
             spark_worker.run(stop)
     print("stopped", flush=True)
     return 0

@@ -47,6 +47,7 @@ CHECK_INTERVAL = 2.0  # seconds between a monitor's unprompted re-checks
 EMPTY_GRACE = 3.0  # seconds without an empty RECEIVE before readers count as busy
 HEARTBEAT_INTERVAL = 5.0  # seconds between a runtime's heartbeats for its readers
 HEARTBEAT_EXPIRY = 30.0  # seconds without a heartbeat after which a reader is gone
+LOOP_GRACE = 60.0  # seconds a loop's turn may take (a call riding through a short outage)
 NOTIFICATION_TIMEOUT = 30.0  # seconds an external activator has to RECEIVE before a re-post
 READER_MODES = ("thread", "process")
 PARENT_WATCH_INTERVAL = 0.2  # seconds; how soon a reader process notices its runtime died
@@ -182,6 +183,8 @@ class ActivationRuntime:
         self._host = socket.gethostname()
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
+        # loop -> (monotonic time its last turn began, its interval): what health reads
+        self._turns: dict[str, tuple[float, float]] = {}
         self._monitors: dict[str, threading.Thread] = {}
         self._readers: dict[str, threading.Thread] = {}
         self._reader_queues: dict[str, str] = {}  # task id -> queue
@@ -228,10 +231,17 @@ class ActivationRuntime:
         """Make the queue's monitor re-check now (what arrivals and receives do)."""
         self.broker._wakeups.notify({queue})
 
-    def stopped_threads(self) -> list[str]:
-        """Its supervisor and heartbeat threads that are no longer running (once started,
-        they run until :meth:`stop`): what a health check reports."""
-        return [t.name for t in self._threads if not t.is_alive()]
+    def stalled_loops(self, grace: float = LOOP_GRACE) -> list[str]:
+        """Its supervisor and heartbeat loops that stopped, or whose last turn began more
+        than ``grace`` seconds plus three intervals ago (stuck in a call): what a health
+        check reports. Their failures are logged and retried, so a loop that turns is
+        one that works, or waits out an outage it says so of."""
+        now = time.monotonic()
+        stalled = [t.name for t in self._threads if not t.is_alive()]
+        for name, (began, interval) in list(self._turns.items()):
+            if name not in stalled and now - began > grace + 3 * interval:
+                stalled.append(f"{name} (no turn for {now - began:.0f} s)")
+        return stalled
 
     @property
     def readers(self) -> int:
@@ -248,7 +258,9 @@ class ActivationRuntime:
 
     def _supervise(self) -> None:
         wakeups = self.broker._wakeups
+        interval = self.idle_check_interval or self.check_interval
         while not self._stopped.is_set():
+            self._turns["activation-supervisor"] = (time.monotonic(), interval)
             seen = wakeups.generation(wakeup.CATALOG)
             try:
                 self._sync_monitors()
@@ -258,7 +270,7 @@ class ActivationRuntime:
                 )
             # An ALTER QUEUE or a new subscription in this process wakes us at once; other
             # processes' are seen within the (idle) interval.
-            wakeups.wait(wakeup.CATALOG, seen, self.idle_check_interval or self.check_interval)
+            wakeups.wait(wakeup.CATALOG, seen, interval)
 
     def _sync_monitors(self) -> None:
         with self.broker.transaction() as tx:
@@ -530,7 +542,9 @@ class ActivationRuntime:
     # --- heartbeats ------------------------------------------------------------------
 
     def _beat(self) -> None:
+        self._turns["activation-heartbeat"] = (time.monotonic(), self.heartbeat_interval)
         while not self._stopped.wait(self.heartbeat_interval):
+            self._turns["activation-heartbeat"] = (time.monotonic(), self.heartbeat_interval)
             try:
                 self.heartbeat()
             except Exception as exc:

@@ -435,9 +435,9 @@ class Executor:
             if lost:
                 raise next(iter(lost.values()))
             self._commit_outcome(log_id, commit_outcome)
-            metrics.task_finished(
-                self.queue, task.kind, status, ended_at - began, began - lease.message.enqueued_at
-            )
+            waited = began - lease.message.enqueued_at
+            with contextlib.suppress(Exception):  # a count never costs a task its answer
+                metrics.task_finished(self.queue, task.kind, status, ended_at - began, waited)
         except LeaseLost:
             # Unless our own commit went through before its connection was lost, it
             # expired meanwhile (the poison policy retried or failed it and told the

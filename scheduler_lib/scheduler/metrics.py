@@ -36,7 +36,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler_lib.broker import Broker, Transaction, exceptions
+from scheduler_lib.broker import Broker, exceptions
 from scheduler_lib.scheduler import catalog
 
 log = logging.getLogger(__name__)
@@ -106,43 +106,38 @@ class BrokerCollector(Collector):
         now = self._clock()
         up = _gauge("database_up", "1 when this scrape could read the database, else 0")
         try:
-            # One transaction: the figures of one scrape are of one moment. No retry: a
-            # scrape during an outage says so at once (database_up 0) instead of waiting.
+            # One snapshot: the figures of one scrape are of one moment (a task leased is
+            # a task running). No retry: a scrape during an outage says so at once
+            # (database_up 0) instead of waiting for the database.
             with self._broker.transaction() as tx:
+                tx.fetch("metrics_snapshot")
                 queues = tx.fetch("metrics_queues", now=now)
+                held = tx.fetch("metrics_held")
                 transmission = tx.fetch_one("metrics_transmission") or {}
                 transport = tx.fetch("metrics_transport")
-                scheduler = _scheduler_rows(tx, now)
-        except exceptions.BrokerError as exc:
-            log.debug("metrics: the database did not answer: %s", exc)
+                # A broker made by `init --no-scheduler` has no tasks to show.
+                scheduler = (
+                    (tx.fetch("metrics_tasks_open"), tx.fetch("semaphore_list", now=now))
+                    if tx.fetch_value("metrics_table_exists", name="execution_log")
+                    else None
+                )
+        except Exception as exc:  # whatever it was, the scrape answers and says so
+            if isinstance(exc, exceptions.ConnectionLost | exceptions.DatabaseUnavailable):
+                log.debug("metrics: the database did not answer: %s", exc)
+            else:
+                log.warning("metrics: reading the database failed: %s", exc)
             up.add_metric([], 0)
             yield up
             return
         up.add_metric([], 1)
         yield up
-        yield from _queue_metrics(queues, now)
+        yield from _queue_metrics(queues, held, now)
         yield from _transport_metrics(transmission, transport, now)
         if scheduler is not None:
             yield from _scheduler_metrics(*scheduler)
         took = _gauge("scrape_duration_seconds", "how long reading the database took")
         took.add_metric([], time.monotonic() - started)
         yield took
-
-
-def _scheduler_rows(
-    tx: Transaction, now: float
-) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]] | None:
-    """The open tasks and the semaphores, in the scrape's transaction (its figures agree
-    with the queues': a task leased is a task running); ``None`` on a broker without the
-    scheduler's schema (``init --no-scheduler``)."""
-    try:
-        with tx.savepoint():
-            return tx.fetch("metrics_tasks_open"), tx.fetch("semaphore_list", now=now)
-    except exceptions.ConnectionLost:
-        raise
-    except exceptions.BrokerError as exc:
-        log.debug("metrics: no scheduler figures: %s", exc)
-        return None
 
 
 def _scheduler_metrics(
@@ -163,12 +158,16 @@ def _scheduler_metrics(
     yield held
 
 
-def _queue_metrics(rows: list[Mapping[str, Any]], now: float) -> Iterator[GaugeMetricFamily]:
+def _queue_metrics(
+    rows: list[Mapping[str, Any]], held: list[Mapping[str, Any]], now: float
+) -> Iterator[GaugeMetricFamily]:
     messages = _gauge(
         "queue_messages",
-        "messages on the queue: ready to be received, or leased to a worker running them",
+        "messages for the queue: ready to be received, leased to a worker running them, "
+        "or held while the queue is off",
         ["queue", "state"],
     )
+    held_by_queue = {row["to_queue_name"]: row["held"] for row in held}
     oldest = _gauge(
         "queue_oldest_message_age_seconds",
         "age of the oldest ready message (0 when none is ready)",
@@ -190,6 +189,7 @@ def _queue_metrics(rows: list[Mapping[str, Any]], now: float) -> Iterator[GaugeM
         queue = row["queue_name"]
         messages.add_metric([queue, "ready"], row["ready"])
         messages.add_metric([queue, "leased"], row["leased"])
+        messages.add_metric([queue, "held"], held_by_queue.get(queue, 0))
         first = row["oldest_ready_at"]
         oldest.add_metric([queue], 0.0 if first is None else max(0.0, now - first))
         expired.add_metric([queue], row["leases_expired"])

@@ -88,8 +88,14 @@ def test_serve_shows_its_queues_and_tasks_and_says_when_the_database_is_gone(
         report = scheduler.run_waves([wave], policy="continue")
         assert sorted(c.ok for c in report.completions) == [False, True]
         # Then serve's own counters say how they ended, and how long they waited and ran
-        ran = scrape(port)
+        # (counted once the answer committed: the caller may see it first)
         labels = (("kind", "python"), ("queue", Target.queue))
+        durations = ("scheduler_lib_task_duration_seconds_count", labels)
+        ran = poll(
+            lambda: (lambda seen: seen if seen.get(durations) == 2 else None)(scrape(port)),
+            30,
+            "both tasks counted",
+        )
         for status in ("SUCCEEDED", "FAILED"):
             sample = ("scheduler_lib_tasks_finished_total", (*labels, ("status", status)))
             assert ran[sample] == 1, sorted(k for k in ran if "finished" in k[0])
@@ -122,6 +128,7 @@ def test_serve_shows_its_queues_and_tasks_and_says_when_the_database_is_gone(
         assert first[("scheduler_lib_database_up", ())] == 1
         assert first[("scheduler_lib_queue_messages", (*q, ("state", "ready")))] == TASKS - READERS
         assert first[("scheduler_lib_queue_messages", (*q, ("state", "leased")))] == READERS
+        assert first[("scheduler_lib_queue_messages", (*q, ("state", "held")))] == 0
         assert first[("scheduler_lib_queue_readers", q)] == READERS
         assert first[("scheduler_lib_queue_max_readers", q)] == READERS
         assert first[("scheduler_lib_queue_enabled", q)] == 1

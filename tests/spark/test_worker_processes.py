@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -31,15 +31,6 @@ T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent  # spark-submit and scheduler-lib live next to python
 DEADLINE = 120.0  # a JVM starts in ~10 s here; far more when the machine is busy
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-METRICS_PORT = _free_port()
 
 
 def poll(condition: Callable[[], T], what: str, timeout: float = DEADLINE) -> T:
@@ -78,7 +69,7 @@ def submitted_worker(sqlite_url: str) -> Iterator[tuple[subprocess.Popen[str], O
     ).stdout.strip()
     command = [str(BIN / "spark-submit"), "--master", "local[1]", entry, "--db", sqlite_url]
     process = subprocess.Popen(
-        [*command, "--metrics-port", str(METRICS_PORT)],  # as a cluster's health checks use
+        [*command, "--metrics-port", "0"],  # any free port, which it says
         env=environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -104,8 +95,11 @@ def test_spark_submit_hosts_the_worker_and_status_links_its_ui(
     )
     assert process.poll() is None, output.tail()
     # Its health check names the Spark application it runs (and the database, the readers)
-    poll(lambda: output.has("health on /healthz"), "the metrics port")
-    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/healthz", timeout=30) as got:
+    said = re.compile(r"metrics on (http://[^/\s]+)/metrics")
+    [base] = poll(
+        lambda: [m.group(1) for line in output.lines if (m := said.search(line))], "the port"
+    )
+    with urllib.request.urlopen(f"{base}/healthz", timeout=30) as got:
         healthy = json.loads(got.read())
     assert healthy["healthy"] is True, healthy
     assert healthy["checks"]["spark"]["detail"].startswith("application local-"), healthy

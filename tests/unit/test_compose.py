@@ -306,7 +306,7 @@ def test_serve_runs_the_other_targets_as_the_app_role(compose: dict[str, Any]) -
     assert serve["image"] == services["broker-init"]["image"]
     assert serve["command"] == ["serve", "--metrics-port", "9464", "--metrics-host", "0.0.0.0"]
     # And its health check is its own /healthz (the database answers, the readers loop)
-    assert "http://localhost:9464/healthz" in " ".join(serve["healthcheck"]["test"])
+    assert "http://127.0.0.1:9464/healthz" in " ".join(serve["healthcheck"]["test"])
     assert serve["depends_on"]["broker-init"]["condition"] == "service_completed_successfully"
     assert serve["restart"] == "always"
     # And as the role that reads and writes rows, from the environment

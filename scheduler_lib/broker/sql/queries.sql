@@ -1117,8 +1117,8 @@ SELECT * FROM transport_connections ORDER BY endpoint_id, opened_at;
 -- name: metrics_queues
 -- Per queue, for /metrics (scheduler_lib.scheduler.metrics): its settings, the messages
 -- ready and leased, the oldest ready message's enqueue time, leases past their expiry
--- (a worker that stopped renewing), the readers running. Each count is a range of an
--- index over open rows; the leases and readers are as few as the tasks running.
+-- (a worker that stopped renewing), the readers running. The ready messages and readers
+-- are ranges of indexes; the leases (no queue index) are as few as the tasks running.
 SELECT q.queue_name, q.is_receive_enabled, q.max_readers,
     (SELECT count(*) FROM queue_messages m
      WHERE m.queue_name = q.queue_name AND m.status = 1) AS ready,
@@ -1131,8 +1131,25 @@ SELECT q.queue_name, q.is_receive_enabled, q.max_readers,
 FROM queues q ORDER BY q.queue_name;
 
 -- name: metrics_transmission
--- The transmission queue's messages (waiting for a remote broker) and the oldest's age.
-SELECT count(*) AS waiting, min(enqueued_at) AS oldest_at FROM transmission_queue;
+-- Messages waiting for a remote broker (the transmission queue's outgoing rows, by their
+-- partial index) and the oldest's enqueue time.
+SELECT count(*) AS waiting, min(enqueued_at) AS oldest_at FROM transmission_queue
+WHERE is_outgoing;
+
+-- name: metrics_held
+-- Messages held for a local queue that is off (they enter it when it is on again), per
+-- queue.
+SELECT to_queue_name, count(*) AS held FROM transmission_queue
+WHERE NOT is_outgoing GROUP BY to_queue_name ORDER BY to_queue_name;
+
+-- name: metrics_table_exists
+-- Whether a table exists (the metrics of a layer whose schema may be absent).
+SELECT count(*) AS n FROM sqlite_master WHERE type = 'table' AND name = :name;
+
+-- name: metrics_snapshot
+-- The scrape's first statement: one snapshot for all of it (PostgreSQL's override sets
+-- REPEATABLE READ; a SQLite transaction reads one snapshot anyway).
+SELECT 1 AS snapshot;
 
 -- name: metrics_transport
 -- Live transport connections by direction, with the corrupted frames they met.

@@ -444,3 +444,13 @@ SELECT sender.first_sequence_number, far.queue_name,
         THEN pg_notify('scheduler_lib_broker', far.queue_name) IS NOT NULL
         ELSE false END AS notified
 FROM far, sender, (SELECT count(*) AS n FROM enqueued) AS e;
+
+-- name: metrics_snapshot
+-- The scrape's first statement: every figure of one scrape from one snapshot (READ
+-- COMMITTED would give each statement its own), and nothing written.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
+
+-- name: metrics_table_exists
+-- Whether a table exists in the schema the broker's tables are in.
+SELECT count(*) AS n FROM pg_tables
+WHERE schemaname = current_schema() AND tablename = :name;
