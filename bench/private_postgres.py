@@ -123,6 +123,25 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def _working_in(directory: Path) -> list[int]:
+    """Live (non-zombie) pids whose working directory is ``directory``: a server's
+    processes (each backend calls setsid(), so the postmaster's process group does not
+    hold them; all of them work in the data directory)."""
+    target = str(directory.resolve())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/cwd") != target:
+                continue
+        except OSError:
+            continue
+        if _pid_alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
 class PrivatePostgres:
     """A private PostgreSQL cluster in a temporary directory, on a free port of 127.0.0.1.
 
@@ -427,6 +446,10 @@ class PrivatePostgres:
                 return False
             if own_group and _group_members(pgid):
                 return False
+            # Backends still exiting keep the shared memory attached: a postmaster started
+            # meanwhile refuses to run ("pre-existing shared memory block is still in use").
+            if _working_in(self.datadir):
+                return False
             return not refuse_port or self._port_refuses()
 
         grace = time.monotonic() + 10.0
@@ -435,9 +458,13 @@ class PrivatePostgres:
             now = time.monotonic()
             if now > deadline:
                 raise RuntimeError(self._failure(f"the server (pid {pid}) did not go down"))
-            if own_group and now > grace and not _pid_alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
+            if now > grace and not _pid_alive(pid):
+                if own_group:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pgid, signal.SIGKILL)
+                for straggler in _working_in(self.datadir):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(straggler, signal.SIGKILL)
             time.sleep(_POLL)
 
     def _wait_for(self, condition: Callable[[], bool], what: str) -> None:
