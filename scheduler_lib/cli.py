@@ -213,19 +213,28 @@ def _serve(args: argparse.Namespace) -> int:
             activation.running(broker, reader_mode=args.readers, skip_procedures={SPARK_PROCEDURE})
         )
         if args.metrics_port is not None:
-            checks = {
-                "database": metrics.database_check(broker),
-                "readers": _runtime_check(lambda: rt),
-            }
-            host, port = stack.enter_context(
-                metrics.serving(broker, args.metrics_port, checks, host=args.metrics_host)
-            )
-            print(f"metrics on http://{host}:{port}/metrics, health on /healthz", flush=True)
+            _serve_metrics(stack, broker, args, {"readers": _runtime_check(lambda: rt)})
         print(f"serving {broker.url.render_as_string()} (runtime {rt.runtime_id})", flush=True)
         while not stop.wait(0.5):  # a bounded wait, so the signal handler always gets to run
             pass
     print("stopped", flush=True)
     return 0
+
+
+def _serve_metrics(
+    stack: contextlib.ExitStack, broker: Broker, args: argparse.Namespace, checks: dict[str, Any]
+) -> None:
+    """``--metrics-port``: /metrics and /healthz (the database check first) until the
+    command's stack closes; the address said on stdout (port 0 picks a free one)."""
+    host, port = stack.enter_context(
+        metrics.serving(
+            broker,
+            args.metrics_port,
+            {"database": metrics.database_check(broker), **checks},
+            host=args.metrics_host,
+        )
+    )
+    print(f"metrics on http://{host}:{port}/metrics, health on /healthz", flush=True)
 
 
 def _runtime_check(
@@ -265,8 +274,8 @@ def _add_service_flags(parser: argparse.ArgumentParser) -> None:
         "--log-format",
         choices=["text", "json"],
         default="text",
-        help="text lines, or one JSON object per line (with the task's log_id, handle, "
-        "name and kind on lines logged while it runs)",
+        help="text lines, or one JSON object per line (with the task's log_id, conversation "
+        "handle, name and kind on lines logged while it runs)",
     )
     parser.add_argument(
         "--log-level",
@@ -274,10 +283,6 @@ def _add_service_flags(parser: argparse.ArgumentParser) -> None:
         default="INFO",
         help="the lowest level logged (default %(default)s)",
     )
-    _add_metrics_flags(parser)
-
-
-def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port",
         type=_port,
@@ -518,14 +523,10 @@ def _worker(args: argparse.Namespace) -> int:
             # the session and the readers run).
             if args.metrics_port is not None:
                 checks = {
-                    "database": metrics.database_check(broker),
                     "readers": _runtime_check(lambda: spark_worker.runtime),
                     "spark": _spark_check(spark_worker),
                 }
-                host, port = stack.enter_context(
-                    metrics.serving(broker, args.metrics_port, checks, host=args.metrics_host)
-                )
-                print(f"metrics on http://{host}:{port}/metrics, health on /healthz", flush=True)
+                _serve_metrics(stack, broker, args, checks)
             spark_worker.start()
             print(
                 f"worker serving {args.queue} on {broker.url.render_as_string()}: Spark "

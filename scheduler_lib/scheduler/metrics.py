@@ -1,11 +1,12 @@
 """What ``scheduler-lib serve`` and ``scheduler-lib worker`` show an operator without SQL:
 Prometheus metrics at ``/metrics`` and a health check at ``/healthz`` (``--metrics-port``).
 
-The metrics are read from the database at each scrape (a few index-range counts in one
-transaction, as a Prometheus exporter for a database does), so every process serving them
+The gauges are read from the database at each scrape (one read-only snapshot, mostly
+index ranges, as a Prometheus exporter for a database does), so every process serving them
 shows the same broker — the queues, leases, readers and open tasks of all processes, not
-only its own — and a scrape costs nothing between scrapes. The process's own CPU, memory
-and file descriptors come from ``prometheus_client``'s process collector.
+only its own — and a scrape costs nothing between scrapes. The tasks a process ran
+(:data:`LOCAL`) and its CPU, memory and file descriptors (``prometheus_client``'s process
+collector) are its own.
 
 Why ``prometheus_client``: ``/metrics`` is a pull endpoint in Prometheus's exposition
 format, which is what that client library exists to serve (the OpenTelemetry SDK serves

@@ -7,6 +7,7 @@ scrape says ``database_up 0`` instead of failing, and serve lives on."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -25,12 +26,6 @@ from scheduler_lib.scheduler import Target, Task, TaskScheduler, init
 READERS = 2  # the target's max_queue_readers: tasks beyond it wait, ready
 TASKS = 5
 SLEEP = 120.0  # seconds each task runs: longer than the test, which cancels them
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -64,14 +59,15 @@ def broker(private_db_url: str) -> Iterator[Broker]:
 def test_serve_shows_its_queues_and_tasks_and_says_when_the_database_is_gone(
     broker: Broker, private_db_url: str, private_postgres: PrivatePostgres, tmp_path: Path
 ) -> None:
-    port = _free_port()
     queue = Target.queue
     with Processes(tmp_path) as processes:
-        # Given `scheduler-lib serve` with its metrics port, default settings otherwise
-        serve = processes.start(
-            "serve", "serve", "--db", private_db_url, "--metrics-port", str(port)
-        )
+        # Given `scheduler-lib serve` with its metrics port (0: a free one, which it says),
+        # default settings otherwise
+        serve = processes.start("serve", "serve", "--db", private_db_url, "--metrics-port", "0")
         processes.wait_said(serve, "health on /healthz", 60)
+        said = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/", processes.stdout(serve))
+        assert said is not None, processes.output(serve)
+        port = int(said.group(1))
         assert health(port) == (
             200,
             {
