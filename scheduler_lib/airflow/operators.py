@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,6 +52,13 @@ from scheduler_lib.scheduler import (
 )
 from scheduler_lib.scheduler.kinds import as_task
 
+try:  # Airflow's metrics (StatsD, OpenTelemetry, Datadog: whichever [metrics] configures)
+    from airflow.providers.common.compat.sdk import Stats
+except ImportError:  # a common-compat release without it re-exported
+    from airflow.stats import Stats
+
+STATS_PREFIX = "scheduler_lib.wave"  # Airflow's metrics: <prefix>.tasks_sent etc.
+FAILED_STATUSES = ("FAILED", "CANCELLED")
 DEFER_AFTER = 2.0  # seconds a deferrable operator waits in place before it defers a wave
 FAIL_FAST_STEP = 0.25  # seconds between looks for a failed task while a wave runs
 RUN_ROWS = 1_000_000  # rows of one DAG run read to find an earlier try's (indexed)
@@ -184,10 +192,40 @@ def log_tasks(
     earlier: Sequence[Mapping[str, Any]] = (),
 ) -> None:
     """Each task of the wave(s) in the task's log, with its status, duration and worker
-    (those an earlier try ran marked so)."""
+    (those an earlier try ran marked so); and each wave this try sent in Airflow's
+    metrics (:func:`wave_stats`)."""
     lines = [row_line(r, " (an earlier try)") for r in earlier] + [row_line(r) for r in rows]
     ordered = sorted(zip([*earlier, *rows], lines, strict=True), key=lambda x: x[0]["log_id"])
     task.log.info("%d task(s):\n%s", len(ordered), "\n".join(line for _, line in ordered))
+    try:
+        wave_stats(task, rows)
+    except Exception:  # a metric never fails the task it describes
+        task.log.warning("could not emit the waves' metrics", exc_info=True)
+
+
+def wave_stats(task: BaseOperator, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Airflow's own metrics for each wave of ``rows`` (the tasks one try sent), through
+    ``Stats`` to whatever ``[metrics]`` configures (StatsD, OpenTelemetry):
+    ``scheduler_lib.wave.tasks_sent`` / ``tasks_failed`` (counters) and
+    ``scheduler_lib.wave.duration`` (a timer: the first task sent to the last one ended),
+    tagged with the DAG, the Airflow task and the scheduler's target."""
+    waves: dict[Any, list[Mapping[str, Any]]] = collections.defaultdict(list)
+    for row in rows:
+        waves[row.get("wave")].append(row)
+    for wave in waves.values():
+        tags = {
+            "dag_id": task.dag_id,
+            "task_id": task.task_id,
+            "target": str(wave[0].get("target_service") or ""),
+        }
+        failed = sum(1 for r in wave if r["status"] in FAILED_STATUSES)
+        Stats.incr(f"{STATS_PREFIX}.tasks_sent", len(wave), tags=tags)
+        Stats.incr(f"{STATS_PREFIX}.tasks_failed", failed, tags=tags)
+        sent = [r["sent_at"] for r in wave if r.get("sent_at") is not None]
+        ended = [r["end_time"] for r in wave if r.get("end_time") is not None]
+        if sent and len(ended) == len(wave):
+            took = datetime.timedelta(seconds=max(0.0, max(ended) - min(sent)))
+            Stats.timing(f"{STATS_PREFIX}.duration", took, tags=tags)
 
 
 def pull_handle(context: Context, handle: str | None, scheduler_task_id: str, where: str) -> str:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import events, exceptions, wakeup
+from scheduler_lib.broker import counters, events, exceptions, wakeup
 from scheduler_lib.broker.events import QUEUE_ACTIVATION
 from scheduler_lib.broker.models import QueueInfo
 
@@ -412,6 +412,10 @@ class ActivationRuntime:
                     and self.readers_of(queue) + len(started) >= self.reader_cap
                 )
             posted = self._post_activation_events(tx, queue, monitor, head, nobody_waiting, now)
+        if started:
+            counters.activation(queue, "started", len(started))
+        elif running >= info.max_readers:
+            counters.activation(queue, "at_max_readers")
         for task_id, procedure in started:
             self._start_reader(task_id, queue, procedure)
         with self._lock:

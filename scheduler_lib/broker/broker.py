@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import connections, exceptions, poison, schema, store, wakeup
+from scheduler_lib.broker import connections, counters, exceptions, poison, schema, store, wakeup
 from scheduler_lib.broker import engine as engines
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
@@ -342,6 +342,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                 raise
         leases = [poison.lease_from_row(row, holder, duration, now) for row in rows]
         if leases:  # its monitor looks again; the timer thread learns the expiry
+            counters.received(queue, len(leases))
             self._after_commit(frozenset({queue}), now + duration)
         return leases
 
@@ -463,6 +464,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
     def _count_rollbacks(self, queues: frozenset[str]) -> None:
         """Built-in poison message detection, in a transaction of its own: the one that
         received has just rolled back."""
+        counters.rolled_back(queues)
         try:
             with self.transaction() as tx:
                 poison.count_rollbacks(tx, queues)

@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from scheduler_lib.broker import events, exceptions
+from scheduler_lib.broker import counters, events, exceptions
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.activation import resolve
 from scheduler_lib.broker.models import (
@@ -732,6 +732,7 @@ def count_rollbacks(tx: Transaction, queues: Iterable[str]) -> list[str]:
             tx._catalog_changed = True  # monitors stop activating it
             tx._touched_queues.add(queue)  # waiting receivers wake and see it is off
             disabled.append(queue)
+            tx._add_count(counters.DISABLED, queue)
             log.error("queue %s disabled: %s", queue, reason)
     return disabled
 
@@ -750,6 +751,7 @@ def route(
         _keep(tx, message, "PARKED", hist, "park", now, redeliver_at=now + park.delay)
         _record(tx, message, "PARKED", None, None)
         tx._deadline(now + park.delay)
+        tx._add_count(counters.POISON, message.queue_name, park.kind)
         log.warning(
             "poison message %s/%s parked for %s s (cycle %s of %s) after %s failures",
             handle,
@@ -771,6 +773,8 @@ def route(
             _notify(tx, message, d, hist, poison_id, now)
         elif isinstance(d, EndConversation):
             ended = _end_with_error(tx, message, d, hist)
+    for d in rest:
+        tx._add_count(counters.POISON, message.queue_name, d.kind)
     log.warning(
         "poison message %s/%s (%s) routed to %s after %s failures: %s",
         handle,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import connections, exceptions, store, wakeup
+from scheduler_lib.broker import connections, counters, exceptions, store, wakeup
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import (
@@ -74,6 +74,8 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         self._queue_cache: dict[str, QueueInfo] | None = None  # set by the transport's batches
         self._in_gate = False
         self._lost = False  # ended by a lost connection
+        # What it did, counted once it commits (counters.add): (what, *labels) -> n
+        self._tally: dict[tuple[str, ...], int] = {}
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -135,6 +137,8 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                 self._leave_gate()
                 if failed:  # a commit that failed rolled back: count it like one
                     self._after_rollback()
+        if self._tally:
+            counters.add(self._tally)
         woken = self._touched_queues | self._received_queues
         if self._transmitted:
             woken.add(wakeup.TRANSMISSION)
@@ -169,6 +173,11 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         if self._receipts and not self._lost:
             self._broker._count_rollbacks(frozenset(self._receipts))
         self._broker._wakeups.notify(self._received_queues)
+
+    def _add_count(self, *key: str, n: int = 1) -> None:
+        """Count ``key`` (:mod:`~scheduler_lib.broker.counters`'s ``(what, *labels)``)
+        ``n`` times if this transaction commits."""
+        self._tally[key] = self._tally.get(key, 0) + n
 
     def _deadline(self, when: float) -> None:
         """This transaction sets something due at ``when`` (a conversation timer, a lease
@@ -439,6 +448,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         # The statement already sent NOTIFY if, and only if, somebody waits.
         self._notified_queues.add(queue)
         self._touched_queues.add(queue)
+        self._add_count(counters.SENT, queue)
         return int(seq), before is not None
 
     def _send_many_fast(
@@ -476,6 +486,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         self._wrote = True
         self._notified_queues.add(queue)
         self._touched_queues.add(queue)
+        self._add_count(counters.SENT, queue, n=len(data))
         return int(first), before is not None
 
     def _send_checked(self, handle: str, message_type: str, data: bytes | None) -> int:
@@ -578,6 +589,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             )
         self._wrote = True
         self._transmitted = True
+        self._add_count(counters.SENT, counters.TRANSMISSION, n=len(data))
         return list(range(int(first), int(first) + len(data)))
 
     def _retain_sent(self, handle: str, seq: int, message_type: str, body: bytes | None) -> None:
@@ -620,6 +632,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         self._execute("outgoing_insert", seq=seq, body=body, **row)
         self._wrote = True
         self._transmitted = True
+        self._add_count(counters.SENT, counters.TRANSMISSION)
 
     def _end_remote(
         self, endpoint: ConversationEndpoint, error: int | None, description: str | None
@@ -702,6 +715,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             "now": time.time(),
             "fair_at": fair_at,
         }
+        self._add_count(counters.SENT, queue.name)
         if queue.is_receive_enabled:
             self._execute("message_insert", **params)
             self._touched_queues.add(queue.name)
@@ -797,6 +811,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                 break
         self._wrote = True
         if messages:
+            self._add_count(counters.RECEIVED, queue, n=len(messages))
             self._receipts.add(queue)
             # Inside this transaction: only a commit ends the queue's run of rollbacks.
             self._execute("queue_reset_rollbacks", name=queue)
@@ -829,6 +844,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             return []
         self._wrote = True
         self._receipts.add(queue)  # the statement reset the rollback count itself
+        self._add_count(counters.RECEIVED, queue, n=len(rows))
         # The statement returns them in RECEIVE's order.
         return [Message.from_row(dict(zip(MESSAGE_COLUMNS, r, strict=True))) for r in rows]
 

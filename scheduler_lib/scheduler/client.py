@@ -33,7 +33,7 @@ from scheduler_lib.broker import (
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.exceptions import InvalidArgument, ServiceNotFound
 from scheduler_lib.broker.poison import worker_name
-from scheduler_lib.scheduler import catalog
+from scheduler_lib.scheduler import catalog, metrics
 from scheduler_lib.scheduler.errors import (
     KindNotAllowed,
     SchedulerEnded,
@@ -664,7 +664,10 @@ class TaskScheduler:
                 if stopped:
                     reports.append(WaveReport(number, [], list(tasks)))
                     continue
+                began = time.time()
                 report = self._run_wave(handle, number, tasks, policy, timeout, on_completion)
+                with contextlib.suppress(Exception):  # a metric never costs a wave its end
+                    metrics.wave_finished(handle.target_service, time.time() - began)
                 reports.append(report)
                 stopped = policy == "fail_fast" and any(not c.ok for c in report.completions)
         result = RunReport(handle.conversation_handle, reports, started, time.time())

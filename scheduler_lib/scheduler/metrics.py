@@ -37,7 +37,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler_lib.broker import Broker, exceptions
+from scheduler_lib.broker import Broker, counters, exceptions
 from scheduler_lib.scheduler import catalog
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,21 @@ DISPATCH_LATENCY = Histogram(
 )
 
 
+WAVE_MAKESPAN = Histogram(
+    f"{PREFIX}_wave_makespan_seconds",
+    "waves run by this process (TaskScheduler.run_waves, `scheduler-lib run`): from the "
+    "wave's first send to its last answer",
+    ["target"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600),
+    registry=LOCAL,
+)
+
+
+def wave_finished(target: str, makespan: float) -> None:
+    """Count a wave this process ran to its end."""
+    WAVE_MAKESPAN.labels(target).observe(max(0.0, makespan))
+
+
 def task_finished(
     queue: str, kind: str, status: str, duration: float, dispatch_latency: float
 ) -> None:
@@ -84,10 +99,12 @@ def task_finished(
 
 
 class _Local(Collector):
-    """The process's own counters (:data:`LOCAL`) in a served registry."""
+    """The process's own counters (:data:`LOCAL`, and its broker's
+    :data:`~scheduler_lib.broker.counters.REGISTRY`) in a served registry."""
 
     def collect(self) -> Iterable[Metric]:
-        return LOCAL.collect()
+        yield from counters.REGISTRY.collect()
+        yield from LOCAL.collect()
 
 
 class BrokerCollector(Collector):

@@ -21,10 +21,12 @@ callables (``test_retries:mark`` …) are imported by the executors of this proc
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -362,6 +364,63 @@ def test_the_task_log_lists_each_task_and_no_alembic_line(
     # ... and alembic said nothing, though the hook applied the migrations
     assert "Context impl" not in text
     assert logging.getLogger(hooks.ALEMBIC_LOGGER).level == logging.INFO  # put back
+
+
+@pytest.fixture
+def statsd(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
+    """A StatsD server (a UDP socket) that Airflow's ``Stats`` sends to, configured the
+    way a task's process configures it (``[metrics] statsd_on``)."""
+    stats_utils = pytest.importorskip(
+        "airflow.sdk.observability.metrics.stats_utils",
+        reason="Airflow < 3.2 configures Stats otherwise (its own tests cover it)",
+    )
+    from airflow.sdk.observability import stats
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    monkeypatch.setenv("AIRFLOW__METRICS__STATSD_ON", "True")
+    monkeypatch.setenv("AIRFLOW__METRICS__STATSD_HOST", "127.0.0.1")
+    monkeypatch.setenv("AIRFLOW__METRICS__STATSD_PORT", str(server.getsockname()[1]))
+    monkeypatch.setenv("AIRFLOW__METRICS__STATSD_PREFIX", "airflow")
+    stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
+    try:
+        yield server
+    finally:
+        server.close()
+        monkeypatch.undo()
+        stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=True)
+
+
+def test_each_wave_is_in_airflows_own_metrics(
+    scheduler_lib_conn: str, statsd: socket.socket
+) -> None:
+    with Broker(scheduler_lib_conn) as b:
+        init(b)
+    ctx: Any = {"ti": _TI()}
+    ctx["ti"].xcoms["get_scheduler"] = GetSchedulerOperator(task_id="get_scheduler").execute(ctx)
+    broker = hooks.SchedulerLibHook().get_conn()
+    # When a wave of three runs, one of them failing
+    tasks = [
+        {"kind": "python", "name": "one", "callable": "operator:add", "args": [1, 2]},
+        {"kind": "python", "name": "two", "callable": "time:sleep", "args": [0.2]},
+        {"kind": "python", "name": "bad", "callable": "math:sqrt", "args": [-1]},
+    ]
+    with activation.running(broker), pytest.raises(sensors.WaveTasksFailed):
+        ExecAsyncOperator(task_id="w", wait=True, policy="continue", tasks=tasks).execute(ctx)
+    # Then Airflow's StatsD says how many were sent, how many failed and how long it took
+    got: dict[str, str] = {}
+    statsd.settimeout(1)
+    deadline = time.monotonic() + 30
+    while len(got) < 3 and time.monotonic() < deadline:
+        with contextlib.suppress(TimeoutError):
+            for line in statsd.recv(65536).decode().splitlines():
+                name, _, value = line.partition(":")
+                if name.startswith("airflow.scheduler_lib.wave."):
+                    got[name.removeprefix("airflow.scheduler_lib.wave.")] = value
+    assert got.keys() == {"tasks_sent", "tasks_failed", "duration"}, got
+    assert got["tasks_sent"] == "3|c" and got["tasks_failed"] == "1|c"
+    milliseconds, kind = got["duration"].split("|")
+    assert kind == "ms" and 200 <= float(milliseconds) < 60_000
 
 
 def test_alembic_says_nothing_while_the_provider_migrates(

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import activation_procedures as procs
 import pytest
 
-from scheduler_lib.broker import Broker
+from scheduler_lib.broker import Broker, counters
 from scheduler_lib.broker.activation import ActivationRuntime, Decision
 from scheduler_lib.broker.launcher import Launcher
 
@@ -120,6 +120,12 @@ def send_jobs(
             if handle is None or not one_conversation:
                 handle = tx.begin_dialog(CLIENT_SERVICE, WORK_SERVICE, CONTRACT)
             tx.send(handle, JOB, json.dumps(spec))
+
+
+def activations(decision: str) -> float:
+    """This process's count of activation decisions on ``Work`` (``/metrics``)."""
+    labels = {"queue": WORK, "decision": decision}
+    return counters.REGISTRY.get_sample_value("scheduler_lib_activations_total", labels) or 0.0
 
 
 def monitor_row(broker: Broker, queue: str = WORK) -> dict[str, Any]:
@@ -259,14 +265,17 @@ def test_idle_queue_starts_nothing_and_a_first_message_starts_one_reader(
     make_catalog(clocked, max_readers=3)
     ensure_monitor(clocked)
     runtime = ActivationRuntime(clocked, clock=clock, empty_grace=GRACE)
+    started = activations("started")
     try:
         assert runtime.check(WORK) == Decision(WORK, False, 0, 0, 0)
         clock.advance(100 * GRACE)
         assert runtime.check(WORK) == Decision(WORK, False, 0, 0, 0)
         assert monitor_row(clocked)["state"] == "INACTIVE"
 
+        assert activations("started") == started  # an idle queue decides nothing
         send_jobs(clocked, [{"n": 1, "hold": "after"}])
         assert runtime.check(WORK) == Decision(WORK, True, 0, 1, 0)
+        assert activations("started") == started + 1  # /metrics counts the reader started
         wait_for(lambda: numbers("start") == [1], "the reader to take message 1")
         # A reader runs: another arrival alone starts nobody (rule (b) needs the grace).
         send_jobs(clocked, [{"n": 2}])
@@ -286,9 +295,12 @@ def test_no_reader_while_max_queue_readers_is_zero_or_the_queue_is_disabled(
     make_catalog(clocked, max_readers=0)
     ensure_monitor(clocked)
     runtime = ActivationRuntime(clocked, clock=clock, empty_grace=GRACE)
+    at_max = activations("at_max_readers")
     try:
         send_jobs(clocked, [{"n": 1}])
         assert runtime.check(WORK) == Decision(WORK, True, 0, 0, 0)
+        # /metrics counts a message waiting for a reader the limit does not allow
+        assert activations("at_max_readers") == at_max + 1
         clocked.alter_queue(WORK, status=False, max_queue_readers=1)
         clock.advance(10 * GRACE)
         assert runtime.check(WORK) == Decision(WORK, True, 0, 0, 0)

@@ -98,6 +98,11 @@ def test_serve_shows_its_queues_and_tasks_and_says_when_the_database_is_gone(
         assert ran[("scheduler_lib_task_duration_seconds_count", labels)] == 2
         assert ran[("scheduler_lib_task_dispatch_latency_seconds_count", labels)] == 2
         assert 0 < ran[("scheduler_lib_task_dispatch_latency_seconds_sum", labels)] < 60
+        # And its broker's: it received the two tasks (the caller sent them, in this
+        # process; the scheduler's EndDialog may follow) and sent their answers
+        assert ran[("scheduler_lib_messages_received_total", (("queue", queue),))] >= 2
+        answers = [v for (name, _), v in ran.items() if name == "scheduler_lib_messages_sent_total"]
+        assert sum(answers) >= 2, sorted(k for k in ran if "messages" in k[0])
         # When more tasks are sent than the target runs at once
         handle = scheduler.get_scheduler()
         scheduler.exec_many(

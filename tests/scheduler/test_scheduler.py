@@ -34,6 +34,7 @@ from scheduler_lib.scheduler import (
     UnknownKind,
     WaveFailed,
     init,
+    metrics,
     register_kind,
 )
 
@@ -104,12 +105,23 @@ def _check_blog_run(broker: Broker, report: Any, shape: list[tuple[int, float]])
         assert len({r["worker_id"] for r in wave}) == len(wave)  # one reader each
 
 
+def makespans(target: str) -> tuple[float, float]:
+    """This process's wave makespan histogram for ``target``: (count, sum)."""
+    name, labels = "scheduler_lib_wave_makespan_seconds", {"target": target}
+    count = metrics.LOCAL.get_sample_value(f"{name}_count", labels) or 0.0
+    return count, metrics.LOCAL.get_sample_value(f"{name}_sum", labels) or 0.0
+
+
 def test_activated_executors_run_the_waves(broker: Broker) -> None:
     init(broker, targets=[Target(max_readers=3)])
     scheduler = TaskScheduler(broker)
+    waves = makespans(Target.service)
     with activation.running(broker, empty_grace=0.1, check_interval=0.2):
         report = scheduler.run_waves([[sleep(0.3)] * 3, [sleep(0.1)]])
         assert report.ok
+        # /metrics has each wave's makespan, at least its longest task
+        count, total = makespans(Target.service)
+        assert count - waves[0] == 2 and total - waves[1] >= 0.3 + 0.1
         rows = _rows(broker, report.scheduler_handle)
         assert all(r["activated_task_id"] for r in rows)  # run by activated readers
         wave1 = [r for r in rows if r["wave"] == 1]

@@ -34,7 +34,7 @@ from transport_catalog import (
 from transport_catalog import TARGET_QUEUE as B_QUEUE
 
 from bench.processes import Processes
-from scheduler_lib.broker import Broker, InvalidArgument
+from scheduler_lib.broker import Broker, InvalidArgument, counters
 from scheduler_lib.broker.transport import TransportEndpoint, delivery, endpoint, frames, reports
 
 OPTIONS = {"key": KEY, "listen": "127.0.0.1:0", **FAST_RETRY}
@@ -345,6 +345,7 @@ def test_a_frame_replayed_into_its_own_connection_is_dropped(
                 ]
                 # When the recorder writes the payment's frame into the same connection
                 # again, and then A sends something else on it
+                replayed = bad_frames("replayed")
                 relay.inject(0, "out", recorded)
                 second = a.begin_dialog(INITIATOR, TARGET, CONTRACT)
                 a.send(second, REQUEST, b"something else")
@@ -363,9 +364,16 @@ def test_a_frame_replayed_into_its_own_connection_is_dropped(
                 ]
                 poll(replays, 10, "a REPLAYED_FRAME event")
                 assert "MESSAGE frame number" in replays()[0]
+                assert bad_frames("replayed") == replayed + 1  # and counted for /metrics
                 assert len(relay.connections) == 1
         finally:
             relay.close()
+
+
+def bad_frames(reason: str) -> float:
+    """This process's count of dropped frames (``/metrics``)."""
+    name = "scheduler_lib_transport_bad_frames_total"
+    return counters.REGISTRY.get_sample_value(name, {"reason": reason}) or 0.0
 
 
 # --- bounded resources -------------------------------------------------------------------

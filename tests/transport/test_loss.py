@@ -36,7 +36,7 @@ from transport_catalog import INITIATOR_QUEUE as A_QUEUE
 from transport_catalog import TARGET_QUEUE as B_QUEUE
 
 from bench.processes import Processes
-from scheduler_lib.broker import Broker
+from scheduler_lib.broker import Broker, counters
 from scheduler_lib.broker.transport import TransportEndpoint, delivery, endpoint
 
 CONVERSATIONS = 50
@@ -104,6 +104,12 @@ def through_a_proxy(a: Broker, b: Broker) -> Iterator[tuple[FaultProxy, str]]:
         with FaultProxy((host, int(port)), Faults()) as proxy, TransportEndpoint(a, **options):
             a.create_route("to target", TARGET, proxy.address)
             yield proxy, str(a.begin_dialog(INITIATOR, TARGET, CONTRACT))
+
+
+def retransmitted() -> float:
+    """This process's count of fragments its transport wrote again (``/metrics``)."""
+    name = "scheduler_lib_transport_frames_retransmitted_total"
+    return counters.REGISTRY.get_sample_value(name) or 0.0
 
 
 def replies(a: Broker) -> int:
@@ -178,12 +184,15 @@ def test_a_peer_gone_without_a_reset_is_noticed_and_dialled_again(
         poll(lambda: len(b.peek(B_QUEUE)) == 1, 30, "the first message")
         # Given the connection goes silent both ways, and stays open (no reset)
         assert proxy.stall_all() == 1
+        again = retransmitted()
         # When A has more to send
         a.send_many(handle, REQUEST, [b"after %d" % i for i in range(10)])
         # Then it notices (its PING goes unanswered), dials again, and delivers
         deadline = endpoint.PING_AFTER + FAST_RETRY["retry_initial"] + endpoint.PING_TIMEOUT
         poll(lambda: len(b.peek(B_QUEUE)) == 11, deadline + 20, "the rest, on a new connection")
         assert proxy.stats["connections"] == 2
+        # And /metrics counts the fragments written again
+        assert retransmitted() > again
     assert [m.body for m in b.peek(B_QUEUE)] == [b"before"] + [b"after %d" % i for i in range(10)]
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import counters, exceptions
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.models import (
     END_DIALOG,
@@ -203,6 +203,7 @@ class Receiver:
         )
         tx._wrote = True
         tx._touched_queues.add(endpoint.queue_name)
+        tx._add_count(counters.SENT, endpoint.queue_name, n=len(run))
         key = (str(endpoint.conversation_id), endpoint.is_initiator)
         self._endpoints[key] = dataclasses.replace(endpoint, receive_sequence=first.seq + len(run))
         self._drain(tx, first.conversation_id, first.from_initiator)

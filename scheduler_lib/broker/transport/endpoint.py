@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import exceptions, routes, wakeup
+from scheduler_lib.broker import counters, exceptions, routes, wakeup
 from scheduler_lib.broker.transport import delivery, frames, reports
 from scheduler_lib.broker.transport.links import Link, Outgoing
 
@@ -1086,6 +1086,7 @@ class TransportEndpoint:
                     frame = await frames.read(conn.reader, conn.receive_key)
                 except frames.CorruptFrame as exc:
                     conn.corrupted += 1
+                    counters.bad_frame("corrupted")
                     line = f"transport: dropped a corrupted frame from {conn.peer}: {exc}"
                     self._event("CORRUPTED_MESSAGE", conn.peer, str(exc), line)
                     continue
@@ -1098,6 +1099,7 @@ class TransportEndpoint:
                         f"accepted, {conn.received.highest} (a replay)"
                     )
                     line = f"transport: dropped a replayed frame from {conn.peer}: {detail}"
+                    counters.bad_frame("replayed")
                     self._event("REPLAYED_FRAME", conn.peer, detail, line)
                     continue
                 conn.last_activity = conn.last_received = time.time()

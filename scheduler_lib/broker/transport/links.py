@@ -16,6 +16,8 @@ import heapq
 import itertools
 from typing import TYPE_CHECKING, Any
 
+from scheduler_lib.broker import counters
+
 if TYPE_CHECKING:
     from scheduler_lib.broker.transport.endpoint import Connection
 
@@ -83,6 +85,8 @@ class Link:
     def start_round(self, message: Outgoing, now: float) -> None:
         """Send every fragment not yet acknowledged, in order, one in line at a time."""
         message.pending = [i for i in range(len(message.fragments)) if i not in message.acked]
+        if message.attempts:  # an earlier round went out: these go again
+            counters.retransmitted(len(message.pending))
         message.due = None
         message.round_at = None
         if message.pending:
