@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -41,6 +42,7 @@ from scheduler_lib.scheduler import logs, metrics, reporting
 
 T = TypeVar("T")
 DB_ENV = "SCHEDULER_LIB_DB"  # default for --db
+SERVE_LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"  # serve's text lines (in UTC)
 INT_MAX = 2**31 - 1  # the largest count or limit an argument may give
 ID_MAX = 2**63 - 1  # the largest id (a BIGINT)
 # The schemas a command may need, by the name its errors give them.
@@ -198,7 +200,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Run queue monitors and their readers until SIGTERM / SIGINT."""
-    _log_to_stderr(args, "%(asctime)s %(levelname)s %(message)s")
+    _log_to_stderr(args, SERVE_LOG_FORMAT)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -208,12 +210,26 @@ def _serve(args: argparse.Namespace) -> int:
         broker = stack.enter_context(Broker(args.db))
         if args.listen is not None:  # it logs where it listens
             stack.enter_context(_transport_endpoint(broker, args))
+        processes = None
+        reader_setup = None
+        if args.readers == "process":
+            # Reader processes log as this one does, and count what they ran for its
+            # /metrics (their counters in files: set before they are spawned).
+            reader_setup = functools.partial(_reader_log, args.log_format, args.log_level)
+            if args.metrics_port is not None:
+                processes = stack.enter_context(metrics.reader_processes())
         # Spark target queues are served by `scheduler-lib worker` (readers need its session).
         rt = stack.enter_context(
-            activation.running(broker, reader_mode=args.readers, skip_procedures={SPARK_PROCEDURE})
+            activation.running(
+                broker,
+                reader_mode=args.readers,
+                skip_procedures={SPARK_PROCEDURE},
+                reader_setup=reader_setup,
+            )
         )
         if args.metrics_port is not None:
-            _serve_metrics(stack, broker, args, {"readers": _runtime_check(lambda: rt)})
+            checks = {"readers": _runtime_check(lambda: rt)}
+            _serve_metrics(stack, broker, args, checks, processes=processes)
         print(f"serving {broker.url.render_as_string()} (runtime {rt.runtime_id})", flush=True)
         while not stop.wait(0.5):  # a bounded wait, so the signal handler always gets to run
             pass
@@ -222,16 +238,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_metrics(
-    stack: contextlib.ExitStack, broker: Broker, args: argparse.Namespace, checks: dict[str, Any]
+    stack: contextlib.ExitStack,
+    broker: Broker,
+    args: argparse.Namespace,
+    checks: dict[str, Any],
+    processes: str | None = None,
 ) -> None:
     """``--metrics-port``: /metrics and /healthz (the database check first) until the
-    command's stack closes; the address said on stdout (port 0 picks a free one)."""
+    command's stack closes; the address said on stdout (port 0 picks a free one).
+    ``processes``: where reader processes keep their counters (added to this process's)."""
     host, port = stack.enter_context(
         metrics.serving(
             broker,
             args.metrics_port,
             {"database": metrics.database_check(broker), **checks},
             host=args.metrics_host,
+            processes=processes,
         )
     )
     print(f"metrics on http://{host}:{port}/metrics, health on /healthz", flush=True)
@@ -376,6 +398,12 @@ def _log_to_stderr(args: argparse.Namespace, line_format: str) -> None:
         for noisy in ("py4j", "alembic"):
             logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     logging.captureWarnings(True)  # a library's warnings as log lines (JSON too)
+
+
+def _reader_log(log_format: str, log_level: str) -> None:
+    """A reader process's log, as its ``serve`` has it (spawned, it starts without)."""
+    args = argparse.Namespace(log_format=log_format, log_level=log_level)
+    _log_to_stderr(args, SERVE_LOG_FORMAT)
 
 
 def _routes(args: argparse.Namespace) -> int:

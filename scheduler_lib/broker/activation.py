@@ -97,11 +97,17 @@ def resolve(dotted: str, what: str = "activation procedure") -> Callable[..., An
     return target
 
 
-def _run_in_process(url: str, procedure: str, queue: str, task_id: str) -> None:
-    """A reader in its own process: a broker of its own, then the procedure. It ends
-    itself when its runtime dies (even by SIGKILL), so no reader outlives the heartbeat
-    that vouched for it."""
+def _run_in_process(
+    url: str, procedure: str, queue: str, task_id: str, setup: Callable[[], None] | None = None
+) -> None:
+    """A reader in its own process: ``setup`` (the runtime's ``reader_setup``: a spawned
+    process starts without its parent's logging), a broker of its own, then the
+    procedure. It ends itself when its runtime dies (even by SIGKILL), so no reader
+    outlives the heartbeat that vouched for it."""
     from scheduler_lib.broker.broker import Broker
+
+    if setup is not None:
+        setup()
 
     parent = os.getppid()
 
@@ -133,6 +139,9 @@ class ActivationRuntime:
     :param skip_procedures: activation procedures this runtime never starts (they need
         something only other processes have: ``scheduler-lib serve`` leaves Spark target
         queues to Spark workers)
+    :param reader_setup: with ``reader_mode="process"``, called first in each reader
+        process (picklable: a module-level function, or a ``functools.partial`` of one);
+        ``scheduler-lib serve`` sets up the process's log there
     :param queues: serve only these queues (default: every queue with activation)
     :param reader_cap: at most this many readers per queue in this runtime (the queue's
         ``max_readers`` still caps all runtimes together); beyond it, only external
@@ -154,6 +163,7 @@ class ActivationRuntime:
         reader_cap: int | None = None,
         idle_check_interval: float | None = None,
         skip_procedures: Collection[str] = (),
+        reader_setup: Callable[[], None] | None = None,
     ) -> None:
         if reader_cap is not None and (
             isinstance(reader_cap, bool) or not isinstance(reader_cap, int) or reader_cap < 1
@@ -179,6 +189,7 @@ class ActivationRuntime:
         self.reader_cap = reader_cap
         self.idle_check_interval = idle_check_interval
         self.skip_procedures = frozenset(skip_procedures)
+        self.reader_setup = reader_setup
         self.runtime_id = str(uuid.uuid4())
         self._host = socket.gethostname()
         self._stopped = threading.Event()
@@ -514,7 +525,9 @@ class ActivationRuntime:
             if self.reader_mode == "process":
                 url = self.broker.url.render_as_string(hide_password=False)
                 process = multiprocessing.get_context("spawn").Process(
-                    target=_run_in_process, args=(url, procedure, queue, task_id), daemon=True
+                    target=_run_in_process,
+                    args=(url, procedure, queue, task_id, self.reader_setup),
+                    daemon=True,
                 )
                 process.start()
                 process.join()

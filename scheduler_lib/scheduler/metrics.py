@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -35,6 +37,7 @@ from prometheus_client import (
     make_wsgi_app,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from scheduler_lib.broker import Broker, counters, exceptions
@@ -43,6 +46,7 @@ from scheduler_lib.scheduler import catalog
 log = logging.getLogger(__name__)
 
 PREFIX = "scheduler_lib"
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode
 DEFAULT_HOST = "127.0.0.1"
 # A check that names what is wrong: (healthy, what it saw)
 Check = Callable[[], tuple[bool, str]]
@@ -100,11 +104,55 @@ def task_finished(
 
 class _Local(Collector):
     """The process's own counters (:data:`LOCAL`, and its broker's
-    :data:`~scheduler_lib.broker.counters.REGISTRY`) in a served registry."""
+    :data:`~scheduler_lib.broker.counters.REGISTRY`) in a served registry, with those of
+    its reader processes added (``processes``: their directory, :func:`reader_processes`).
+    """
+
+    def __init__(self, processes: str | None = None) -> None:
+        self._processes = processes
 
     def collect(self) -> Iterable[Metric]:
-        yield from counters.REGISTRY.collect()
-        yield from LOCAL.collect()
+        own = [*counters.REGISTRY.collect(), *LOCAL.collect()]
+        if self._processes is None:
+            return own
+        theirs = {m.name: m for m in MultiProcessCollector(None, self._processes).collect()}
+        added = [_added(m, theirs.pop(m.name)) if m.name in theirs else m for m in own]
+        return added + list(theirs.values())
+
+
+def _added(own: Metric, theirs: Metric) -> Metric:
+    """One family: the same series' values added (counts and buckets are sums; the
+    ``_created`` stamps are this process's)."""
+    values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for sample in [*own.samples, *theirs.samples]:
+        key = (sample.name, tuple(sorted(sample.labels.items())))
+        if sample.name.endswith("_created"):
+            values.setdefault(key, sample.value)
+        else:
+            values[key] = values.get(key, 0.0) + sample.value
+    merged = Metric(own.name, own.documentation, own.type, own.unit)
+    for (name, labels), value in values.items():
+        merged.add_sample(name, dict(labels), value)
+    return merged
+
+
+@contextlib.contextmanager
+def reader_processes() -> Iterator[str]:
+    """While the block runs, processes this one spawns keep their counters in files of a
+    temporary directory (prometheus_client's multiprocess mode, ``PROMETHEUS_MULTIPROC_DIR``
+    — read when they import it), which :func:`serving` adds to this process's own:
+    ``serve --readers process`` counts the tasks its reader processes ran. The counts of
+    a reader that exited stay (they are counts)."""
+    with tempfile.TemporaryDirectory(prefix="scheduler-lib-metrics-") as path:
+        previous = os.environ.get(MULTIPROCESS_ENV)
+        os.environ[MULTIPROCESS_ENV] = path
+        try:
+            yield path
+        finally:
+            if previous is None:
+                os.environ.pop(MULTIPROCESS_ENV, None)
+            else:
+                os.environ[MULTIPROCESS_ENV] = previous
 
 
 class BrokerCollector(Collector):
@@ -303,16 +351,21 @@ def wsgi_app(
 
 @contextlib.contextmanager
 def serving(
-    broker: Broker, port: int, checks: Mapping[str, Check], host: str = DEFAULT_HOST
+    broker: Broker,
+    port: int,
+    checks: Mapping[str, Check],
+    host: str = DEFAULT_HOST,
+    processes: str | None = None,
 ) -> Iterator[tuple[str, int]]:
     """Serve ``/metrics`` and ``/healthz`` on ``host:port`` (port 0: any free one) in a
-    daemon thread until the block ends; yields the address it listens on.
+    daemon thread until the block ends; yields the address it listens on. ``processes``:
+    the directory of :func:`reader_processes`, whose counts are added to this process's.
 
     :raises exceptions.InvalidArgument: when the address cannot be listened on
     """
     registry = CollectorRegistry()
     registry.register(BrokerCollector(broker))
-    registry.register(_Local())
+    registry.register(_Local(processes))
     ProcessCollector(registry=registry)
     try:
         server = make_server(

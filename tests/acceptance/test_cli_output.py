@@ -23,17 +23,19 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_lib import __version__
 from scheduler_lib.broker import Broker, Log, Message, PoisonDetector, PoisonPolicy, Transaction
 from scheduler_lib.broker import schema as broker_schema
-from scheduler_lib.scheduler import Task, TaskScheduler
+from scheduler_lib.scheduler import Target, Task, TaskScheduler
 
 CLI = str(Path(sys.executable).parent / "scheduler-lib")
 AHEAD_OF_UTC = {"TZ": "XYZ-5:45"}  # POSIX: local time = UTC + 5:45 (no tz database needed)
@@ -503,6 +505,57 @@ def test_serve_names_the_task_on_the_lines_logged_while_it_runs(
     else:
         line = _wait_for(err, r"^.*disk nearly full.*$", process).group(0)
         assert line.endswith(f"WARNING disk nearly full [task {done.log_id}: cleanup]"), line
+
+
+def test_serve_with_reader_processes_logs_and_counts_what_they_ran(
+    sqlite_url: str, tmp_path: Path, serving: list[subprocess.Popen[bytes]]
+) -> None:
+    # Given serve running its readers as processes, its log as JSON, its metrics served
+    _ok("init", "--db", sqlite_url)
+    process, out, err = _serve(
+        serving,
+        tmp_path,
+        *("--db", sqlite_url, "--readers", "process"),
+        *("--log-format", "json", "--metrics-port", "0"),
+    )
+    said = _wait_for(out, r"^metrics on (http://127\.0\.0\.1:\d+/metrics)", process)
+    # When a wave runs in a reader process: a task that logs a warning, one that fails
+    with Broker(sqlite_url) as broker:
+        report = TaskScheduler(broker).run_waves(
+            [
+                [
+                    Task.python("logging:warning", "disk nearly full", name="cleanup"),
+                    Task.python("math:sqrt", -1.0, name="bad"),
+                ]
+            ],
+            policy="continue",
+        )
+    done = {c.task_name: c for c in report.completions}
+    assert done["cleanup"].ok and not done["bad"].ok
+    # Then the reader process's line names its task, as serve's own readers' do
+    line = json.loads(_wait_for(err, r"^.*disk nearly full.*$", process).group(0))
+    assert line["log_id"] == done["cleanup"].log_id and line["task_name"] == "cleanup", line
+    # And serve's /metrics counts what the reader process ran, and what its broker received
+    queue = Target.queue
+
+    def counted() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(said.group(1), timeout=10) as response:
+            text = response.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    finished = "scheduler_lib_tasks_finished_total"
+    labels = (("kind", "python"), ("queue", queue))
+    deadline = time.monotonic() + 60
+    while (seen := counted()).get((finished, (*labels, ("status", "FAILED")))) != 1:
+        assert time.monotonic() < deadline, sorted(k for k in seen if k[0] == finished)
+        time.sleep(0.1)
+    assert seen[(finished, (*labels, ("status", "SUCCEEDED")))] == 1
+    assert seen[("scheduler_lib_task_duration_seconds_count", labels)] == 2
+    assert seen[("scheduler_lib_messages_received_total", (("queue", queue),))] >= 2
 
 
 # --- 4. Durations: finite, not negative ----------------------------------------------
