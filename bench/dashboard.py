@@ -2,7 +2,7 @@
 a real run: the dashboard's own PromQL evaluated by a real Prometheus that scraped a real
 ``scheduler-lib serve`` while it ran waves of tasks.
 
-Run from the repository root (about two and a half minutes)::
+Run from the repository root (about 100 s, a minute of it the workload)::
 
     .venv/bin/python -m bench.dashboard                  # SQLite in a temporary folder
     .venv/bin/python -m bench.dashboard --db postgresql+psycopg://...   # an empty database
@@ -185,7 +185,7 @@ def instant(base: str, expr: str) -> float | None:
 
 
 def workload(broker: Broker) -> None:
-    """Two minutes of work that moves every panel this build can fill:
+    """About a minute of work that moves every panel this build can fill:
 
     - waves: three schedulers at once on the default target (four readers), six rounds of
       three waves of ``time:sleep`` tasks, each round with a task that fails
@@ -223,31 +223,35 @@ def workload(broker: Broker) -> None:
         sender = _thread(
             lambda: TaskScheduler(broker).run_waves(
                 [[Task.python("time:sleep", 0.5) for _ in range(6)]], target=REPORTS.service
-            )
+            ),
+            failures,
         )
         time.sleep(15)  # what is shown: messages held for that long
         broker.alter_queue(REPORTS.queue, status=True)
         say(f"{REPORTS.queue} on again")
         sender.join()
 
-    phases = [_thread(functools.partial(waves, who)) for who in range(3)]
+    failures: list[BaseException] = []
+    phases = [_thread(functools.partial(waves, who), failures) for who in range(3)]
     time.sleep(10)
-    phases.append(_thread(backlog))
+    phases.append(_thread(backlog, failures))
     time.sleep(10)
-    phases.append(_thread(semaphore))
+    phases.append(_thread(semaphore, failures))
     time.sleep(25)
-    phases.append(_thread(held))
+    phases.append(_thread(held, failures))
     for thread in phases:
         thread.join()
+    if failures:  # a picture of a broken run is no picture of the product
+        raise HarnessError(f"the workload failed: {failures[0]!r}") from failures[0]
 
 
-def _thread(target: Callable[[], object]) -> threading.Thread:
-    failures: list[BaseException] = []
+def _thread(target: Callable[[], object], failures: list[BaseException]) -> threading.Thread:
+    """``target`` in a thread of its own; what it raises is said and kept in ``failures``."""
 
     def run() -> None:
         try:
             target()
-        except BaseException as exc:  # said here; the run goes on and the picture shows it
+        except Exception as exc:  # said at once; the caller raises once all have ended
             failures.append(exc)
             say(f"workload thread failed: {type(exc).__name__}: {exc}")
 
@@ -503,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             with prometheus(folder, int(said.group(1))) as base:
                 version = _api(base, "status/buildinfo")["version"]
                 start = time.time() - 5
-                say("workload: waves, a backlog, a semaphore, a queue off (about 2 minutes)")
+                say("workload: waves, a backlog, a semaphore, a queue off (about a minute)")
                 workload(broker)
                 say(f"workload done; {TAIL:g} s more of scrapes")
                 time.sleep(TAIL)
