@@ -13,7 +13,8 @@ matplotlib (the ``demo`` extra).
 
 What it does, in order: ``scheduler-lib init``, a second target (``ServiceReports``, two
 readers) and a semaphore (``warehouse``, two permits); ``scheduler-lib serve
---metrics-port 0``; Prometheus scraping it every second into a temporary folder; the
+--metrics-port 0`` and this process's own metrics (it runs the waves: their makespans,
+its broker's sends); Prometheus scraping both every second into a temporary folder; the
 workload (:func:`workload`: waves from three schedulers at once with a few failing tasks, a
 backlog on the two-reader target, tasks queuing for the semaphore, messages held while a
 queue is off); then, for every panel of ``docs/grafana/scheduler_lib.json``, its
@@ -26,6 +27,7 @@ metrics this build does not export yet say "No data", as Grafana does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -40,14 +42,14 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from bench.processes import HarnessError, Processes, init, wait_for
-from scheduler_lib.broker import Broker
-from scheduler_lib.scheduler import Semaphores, Target, Task, TaskScheduler
+from scheduler_lib.broker import Broker, Message, PoisonDetector, PoisonPolicy, Transaction
+from scheduler_lib.scheduler import Semaphores, Target, Task, TaskScheduler, metrics
 from scheduler_lib.scheduler import init as init_scheduler
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,13 +103,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def prometheus(folder: Path, metrics_port: int) -> Iterator[str]:
-    """A Prometheus of our own scraping ``127.0.0.1:metrics_port`` every second; yields its
+def prometheus(folder: Path, *metrics_ports: int) -> Iterator[str]:
+    """A Prometheus of our own scraping ``127.0.0.1:<each port>`` every second; yields its
     base URL and stops it when the block ends."""
     binary = shutil.which("prometheus")
     if binary is None:
         raise HarnessError("no prometheus on the PATH (Debian: apt-get install prometheus)")
     config = folder / "prometheus.yml"
+    targets = ", ".join(f"'127.0.0.1:{port}'" for port in metrics_ports)
     config.write_text(
         "global:\n"
         f"  scrape_interval: {SCRAPE_INTERVAL}s\n"
@@ -115,7 +118,7 @@ def prometheus(folder: Path, metrics_port: int) -> Iterator[str]:
         "scrape_configs:\n"
         f"  - job_name: {JOB}\n"
         "    static_configs:\n"
-        f"      - targets: ['127.0.0.1:{metrics_port}']\n"
+        f"      - targets: [{targets}]\n"
     )
     port = free_port()
     log = (folder / "prometheus.log").open("wb")
@@ -193,7 +196,10 @@ def workload(broker: Broker) -> None:
     - backlog: 24 tasks of 1.5 s at once to ``ServiceReports`` (two readers): ready
       messages pile up and the oldest one ages while they drain;
     - semaphore: 10 tasks of 2.5 s on the default target holding ``warehouse`` (two permits);
-    - held: ``QueueReports`` turned off for 15 s while 6 tasks are sent to it, then on.
+    - held: ``QueueReports`` turned off for 15 s while 6 tasks are sent to it, then on;
+    - poison: on a queue of its own (``Inbox``), a handler that fails on one message of
+      each of four rounds: a detector with a threshold of 3 routes it (``log``); then five
+      rolled-back RECEIVEs in a row turn the queue off (built-in detection) for 10 s.
     """
 
     def waves(who: int) -> None:
@@ -231,6 +237,40 @@ def workload(broker: Broker) -> None:
         say(f"{REPORTS.queue} on again")
         sender.join()
 
+    def poison() -> None:
+        broker.create_message_type("Mail")
+        broker.create_contract("MailContract", {"Mail": "INITIATOR"})
+        broker.create_queue("Outbox")
+        broker.create_queue("Inbox")
+        broker.create_service("Sender", "Outbox")
+        broker.create_service("Mailbox", "Inbox", ["MailContract"])
+
+        def mail(*bodies: str) -> None:
+            for body in bodies:
+                handle = broker.begin_dialog("Sender", "Mailbox", "MailContract")
+                broker.send(handle, "Mail", body)
+
+        def handler(tx: Transaction, message: Message) -> None:
+            if message.text == "bad":
+                raise ValueError("cannot parse it")
+
+        broker.alter_queue("Inbox", poison_message_handling=False)
+        detector = PoisonDetector(broker, "Inbox", PoisonPolicy(threshold=3))
+        for _ in range(4):
+            mail("good", "bad", "good")
+            while detector.handle_next(handler, timeout=0):
+                time.sleep(0.5)
+        broker.alter_queue("Inbox", poison_message_handling=True)
+        mail("bad")
+        for _ in range(5):  # built-in detection: the fifth rollback in a row turns it off
+            with contextlib.suppress(ValueError), broker.transaction() as tx:
+                for message in tx.receive("Inbox", timeout=0):
+                    handler(tx, message)
+            time.sleep(1)
+        say(f"Inbox off: {broker.queue('Inbox').disabled_reason}")
+        time.sleep(10)
+        broker.alter_queue("Inbox", status=True, poison_message_handling=False)
+
     failures: list[BaseException] = []
     phases = [_thread(functools.partial(waves, who), failures) for who in range(3)]
     time.sleep(10)
@@ -239,6 +279,7 @@ def workload(broker: Broker) -> None:
     phases.append(_thread(semaphore, failures))
     time.sleep(25)
     phases.append(_thread(held, failures))
+    phases.append(_thread(poison, failures))
     for thread in phases:
         thread.join()
     if failures:  # a picture of a broken run is no picture of the product
@@ -495,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         url = args.db or f"sqlite:///{folder / 'broker.db'}"
         say("scheduler-lib init")
         init(url)
-        with Broker(url) as broker, Processes(folder) as processes:
+        with Broker(url) as broker, Processes(folder) as processes, ExitStack() as stack:
             init_scheduler(broker, targets=[Target(), REPORTS])
             Semaphores(broker).create(SEMAPHORE, PERMITS)
             serve = processes.start("serve", "serve", "--db", url, "--metrics-port", "0")
@@ -503,8 +544,11 @@ def main(argv: list[str] | None = None) -> int:
             said = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/", processes.stdout(serve))
             if said is None:
                 raise HarnessError(f"serve did not say its port:\n{processes.output(serve)}")
-            say(f"serve's metrics on port {said.group(1)}; starting prometheus")
-            with prometheus(folder, int(said.group(1))) as base:
+            # This process runs the waves: it serves their makespans (and its broker's
+            # sends), as an application that embeds the scheduler would.
+            here = stack.enter_context(metrics.serving(broker, 0, {}))[1]
+            say(f"serve's metrics on port {said.group(1)}, this process's on {here}")
+            with prometheus(folder, int(said.group(1)), here) as base:
                 version = _api(base, "status/buildinfo")["version"]
                 start = time.time() - 5
                 say("workload: waves, a backlog, a semaphore, a queue off (about a minute)")
@@ -517,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         day = datetime.fromtimestamp(end, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         title = (
             f"{dashboard['title']} — python -m bench.dashboard, {day}: one scheduler-lib serve "
-            f"on {backend}, Prometheus {version} scraping every {SCRAPE_INTERVAL} s, "
+            f"on {backend} and the process sending the waves, Prometheus {version} scraping "
+            f"every {SCRAPE_INTERVAL} s, "
             f"$__rate_interval = {RATE_INTERVAL}; job={JOB}, instance=All, queue=All"
         )
         draw(dashboard, data, title, args.out)

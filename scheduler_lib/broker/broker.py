@@ -84,6 +84,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
                 url, isolation_level="AUTOCOMMIT", **(engine_options or {})
             )
         self._async_engine: sa.Engine | None = None  # commits without the WAL flush
+        self._read_engine: sa.Engine | None = None  # SQLite's snapshots (snapshot())
         self._async_engine_lock = threading.Lock()
         # queue -> the lock a taking thread holds while it looks and waits (see _take_waiting)
         self._take_turns: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
@@ -139,7 +140,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         )
 
     def _engines(self) -> list[sa.Engine]:
-        engines = [self._engine, self._autocommit_engine, self._async_engine]
+        engines = [self._engine, self._autocommit_engine, self._async_engine, self._read_engine]
         return [e for e in engines if e is not None]
 
     def retrying(self, call: Callable[[], T], *, what: str = "the operation") -> T:
@@ -409,6 +410,22 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         """A transaction for several operations; use it as a context manager."""
         return Transaction(self)
 
+    def snapshot(self) -> Transaction:
+        """A transaction that only reads, all of it from one moment, and holds no one up:
+        on PostgreSQL ``REPEATABLE READ, READ ONLY``; on SQLite a plain ``BEGIN`` (a WAL
+        snapshot) outside this process's write gate, so it neither waits for a writer
+        nor makes one wait (what a metrics scrape needs). Use it as a context manager;
+        a statement that writes fails."""
+        if self._store.is_postgresql:
+            tx = Transaction(self)
+            tx.run("snapshot_begin")
+            return tx
+        if self._read_engine is None:
+            with self._async_engine_lock:
+                if self._read_engine is None:
+                    self._read_engine = engines.create_engine(self._engine.url, read_only=True)
+        return Transaction(self, engine=self._read_engine)
+
     @contextlib.contextmanager
     def _operation(self) -> Iterator[Transaction]:
         with Transaction(self) as tx:
@@ -447,6 +464,8 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             self._autocommit_engine.dispose()
         if self._async_engine is not None:
             self._async_engine.dispose()
+        if self._read_engine is not None:
+            self._read_engine.dispose()
 
     def __enter__(self) -> Broker:
         return self

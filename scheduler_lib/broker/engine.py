@@ -64,7 +64,7 @@ def normalize_url(url: str | URL) -> URL:
     return parsed
 
 
-def create_engine(url: str | URL, **kwargs: Any) -> Engine:
+def create_engine(url: str | URL, *, read_only: bool = False, **kwargs: Any) -> Engine:
     """An engine configured for the broker.
 
     SQLite: WAL, full fsync, foreign keys, and ``BEGIN IMMEDIATE`` for every transaction so
@@ -73,6 +73,8 @@ def create_engine(url: str | URL, **kwargs: Any) -> Engine:
     processes.
 
     :param url: the database URL
+    :param read_only: SQLite: transactions that only read (a plain ``BEGIN``: in WAL a
+        reader sees one snapshot and neither waits for the writer nor holds it up)
     :param kwargs: passed to :func:`sqlalchemy.create_engine`
     """
     parsed = normalize_url(url)
@@ -90,9 +92,11 @@ def create_engine(url: str | URL, **kwargs: Any) -> Engine:
             cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT * 1000}")
             cursor.close()
 
+        begin = "BEGIN" if read_only else "BEGIN IMMEDIATE"
+
         @sa.event.listens_for(engine, "begin")
         def _on_begin(connection: sa.Connection) -> None:
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
+            connection.exec_driver_sql(begin)
 
         return engine
     kwargs.setdefault("pool_size", POOL_SIZE)

@@ -57,9 +57,12 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
     receiver.
     """
 
-    def __init__(self, broker: Broker, *, autocommit: bool = False) -> None:
+    def __init__(
+        self, broker: Broker, *, autocommit: bool = False, engine: sa.Engine | None = None
+    ) -> None:
         self._broker = broker
         self._autocommit = autocommit  # only for single-statement operations
+        self._engine = engine  # another engine's connections (Broker.snapshot), no gate
         self._store = broker._store
         self._connection: sa.Connection | None = None
         self._wrote = False
@@ -232,9 +235,10 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
     def _conn(self) -> sa.Connection:
         self._check_open()
         if self._connection is None:
-            engine = self._broker._autocommit_engine if self._autocommit else None
+            engine = self._broker._autocommit_engine if self._autocommit else self._engine
             self._connection = connections.connect(engine or self._broker._engine)
-        self._enter_gate()
+        if self._engine is None:
+            self._enter_gate()
         return self._connection
 
     def _release_while_idle(self) -> None:

@@ -175,8 +175,7 @@ class BrokerCollector(Collector):
             # One snapshot: the figures of one scrape are of one moment (a task leased is
             # a task running). No retry: a scrape during an outage says so at once
             # (database_up 0) instead of waiting for the database.
-            with self._broker.transaction() as tx:
-                tx.fetch("metrics_snapshot")
+            with self._broker.snapshot() as tx:
                 queues = tx.fetch("metrics_queues", now=now)
                 held = tx.fetch("metrics_held")
                 transmission = tx.fetch_one("metrics_transmission") or {}
@@ -301,7 +300,7 @@ def database_check(broker: Broker) -> Check:
 
     def check() -> tuple[bool, str]:
         try:
-            with broker.transaction() as tx:
+            with broker.snapshot() as tx:  # a long write elsewhere is no ill health
                 tx.fetch("health_ping")
         except exceptions.BrokerError as exc:
             return False, str(exc).splitlines()[0]

@@ -1,6 +1,6 @@
 """docs/grafana/scheduler_lib.json: a dashboard Grafana imports (its variables, its grid),
 whose every expression names a metric that a real ``scheduler-lib serve --metrics-port``
-exports — so a renamed metric cannot leave a panel silently empty."""
+(or a process running waves) exports — so a renamed metric cannot leave a panel silently empty."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.processes import Processes, init
 from scheduler_lib.broker import Broker
-from scheduler_lib.scheduler import Task, TaskScheduler
+from scheduler_lib.scheduler import Task, TaskScheduler, metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "scheduler_lib.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -103,13 +103,16 @@ def test_every_metric_the_dashboard_queries_is_one_serve_exports(tmp_path: Path)
         processes.wait_said(serve, "health on /healthz", 60)
         said = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", processes.stdout(serve))
         assert said is not None, processes.output(serve)
-        # When it has run one task, so the tasks' series exist
-        with Broker(url) as broker:
+        # When it has run one task, so the tasks' series exist, of a wave this process ran
+        # and serves the metrics of (the wave's makespan is known where it is awaited)
+        with Broker(url) as broker, metrics.serving(broker, 0, {}) as (_, here):
             report = TaskScheduler(broker).run_waves([[Task.python("math:sqrt", 4.0)]])
-        assert [c.ok for c in report.completions] == [True]
-        with urllib.request.urlopen(said.group(1), timeout=30) as response:
-            exported = exported_names(response.read().decode())
-    # Then every metric the dashboard's expressions name is one of the scrape's
+            assert [c.ok for c in report.completions] == [True]
+            exported: set[str] = set()
+            for scraped in (said.group(1), f"http://127.0.0.1:{here}/metrics"):
+                with urllib.request.urlopen(scraped, timeout=30) as response:
+                    exported |= exported_names(response.read().decode())
+    # Then every metric the dashboard's expressions name is one of the scrapes'
     missing = {
         name: sorted(
             where for where, expr in expressions(dashboard()) if name in metric_names(expr)

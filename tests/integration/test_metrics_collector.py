@@ -4,13 +4,14 @@ broker without the scheduler's schema still answers."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from scheduler_lib.broker import Broker
 from scheduler_lib.scheduler import init
-from scheduler_lib.scheduler.metrics import BrokerCollector
+from scheduler_lib.scheduler.metrics import BrokerCollector, database_check
 
 CONTRACT, REQUEST = "c", "request"
 
@@ -69,3 +70,27 @@ def test_a_broker_without_the_schedulers_schema_shows_its_queues(broker: Broker)
     init(broker)
     families = {f.name for f in BrokerCollector(broker).collect()}
     assert {"scheduler_lib_tasks", "scheduler_lib_semaphore_permits"} <= families
+
+
+def test_a_scrape_neither_waits_for_a_long_write_nor_holds_it_up(broker: Broker) -> None:
+    # Given messages on a queue, and a transaction that has written and stays open (a
+    # long write: on SQLite it holds the database's one write lock)
+    with broker.transaction() as tx:
+        handle = tx.begin_dialog("sender", "receiver", CONTRACT)
+        tx.send(handle, REQUEST, b"before")
+    writer = broker.transaction()
+    writer.send(handle, REQUEST, b"not committed yet")
+    try:
+        # When Prometheus scrapes and the orchestrator asks for health meanwhile
+        started = time.monotonic()
+        seen = samples(broker)
+        healthy = database_check(broker)()
+        took = time.monotonic() - started
+        # Then both answer at once, from the last commit, and the writer still commits
+        assert seen[("scheduler_lib_database_up", ())] == 1
+        assert seen[("scheduler_lib_queue_messages", (("queue", "to"), ("state", "ready")))] == 1
+        assert healthy == (True, "answers")
+        assert took < 5, took  # SQLite's busy timeout is 30 s
+    finally:
+        writer.commit()
+    assert len(broker.peek("to")) == 2

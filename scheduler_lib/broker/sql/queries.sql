@@ -1146,11 +1146,6 @@ WHERE NOT is_outgoing GROUP BY to_queue_name ORDER BY to_queue_name;
 -- Whether a table exists (the metrics of a layer whose schema may be absent).
 SELECT count(*) AS n FROM sqlite_master WHERE type = 'table' AND name = :name;
 
--- name: metrics_snapshot
--- The scrape's first statement: one snapshot for all of it (PostgreSQL's override sets
--- REPEATABLE READ; a SQLite transaction reads one snapshot anyway).
-SELECT 1 AS snapshot;
-
 -- name: metrics_transport
 -- Live transport connections by direction, with the corrupted frames they met.
 SELECT direction, count(*) AS connections, coalesce(sum(corrupted_frames), 0) AS corrupted

@@ -445,9 +445,10 @@ SELECT sender.first_sequence_number, far.queue_name,
         ELSE false END AS notified
 FROM far, sender, (SELECT count(*) AS n FROM enqueued) AS e;
 
--- name: metrics_snapshot
--- The scrape's first statement: every figure of one scrape from one snapshot (READ
--- COMMITTED would give each statement its own), and nothing written.
+-- name: snapshot_begin
+-- Broker.snapshot()'s first statement: every read of it from one snapshot (READ
+-- COMMITTED would give each statement its own; a metrics scrape's figures are of one
+-- moment), and nothing written.
 SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
 
 -- name: metrics_table_exists
