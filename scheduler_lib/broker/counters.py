@@ -11,7 +11,9 @@ a rolled-back SEND or RECEIVE did not happen, and is counted as a rollback inste
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -86,8 +88,16 @@ _TALLIED = {SENT: _SENT, RECEIVED: _RECEIVED, POISON: _POISON, DISABLED: _DISABL
 
 def add(tally: Mapping[tuple[str, ...], int]) -> None:
     """Count what a transaction did, once it committed: ``(SENT, queue) -> n`` etc."""
-    for (what, *labels), n in tally.items():
-        _TALLIED[what].labels(*labels).inc(n)
+    for key, n in tally.items():
+        _series(key).inc(n)
+
+
+@functools.lru_cache(maxsize=4096)
+def _series(key: tuple[str, ...]) -> Any:
+    # Every commit counts: the labelled series are looked up once (``labels()``
+    # validates and locks, a few microseconds each time).
+    what, *labels = key
+    return _TALLIED[what].labels(*labels)
 
 
 def received(queue: str, n: int) -> None:

@@ -18,6 +18,7 @@ endpoint (docs/operations.md, "Metrics and health").
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -97,9 +98,21 @@ def task_finished(
     queue: str, kind: str, status: str, duration: float, dispatch_latency: float
 ) -> None:
     """Count a task this process ran to an end (its outcome committed)."""
-    TASKS_FINISHED.labels(queue, kind, status).inc()
-    TASK_DURATION.labels(queue, kind).observe(max(0.0, duration))
-    DISPATCH_LATENCY.labels(queue, kind).observe(max(0.0, dispatch_latency))
+    finished, took, waited = _task_series(queue, kind, status)
+    finished.inc()
+    took.observe(max(0.0, duration))
+    waited.observe(max(0.0, dispatch_latency))
+
+
+@functools.lru_cache(maxsize=4096)
+def _task_series(queue: str, kind: str, status: str) -> tuple[Any, Any, Any]:
+    # A task's end is on the executor's path: the labelled series are looked up once
+    # (``labels()`` validates and locks, a few microseconds each time).
+    return (
+        TASKS_FINISHED.labels(queue, kind, status),
+        TASK_DURATION.labels(queue, kind),
+        DISPATCH_LATENCY.labels(queue, kind),
+    )
 
 
 class _Local(Collector):
