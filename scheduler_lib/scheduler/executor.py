@@ -418,6 +418,7 @@ class Executor:
             self.sql_url,
             record_spark,
             priority=lease.message.priority,
+            service=lease.message.service_name,
             airflow=airflow,
         )
         result: Any = None
