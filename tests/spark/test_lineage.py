@@ -6,6 +6,7 @@ failing task's FAIL, a pyspark callable's run, and nothing at all without settin
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -243,3 +244,48 @@ def test_without_settings_no_client_and_no_events(
     # Then it ran, and no client was made (nothing printed to the console instead)
     assert report.ok
     assert lineage.emitter() is None
+
+
+def test_a_transport_that_fails_costs_the_task_nothing_and_warns_once(
+    scheduler: TaskScheduler,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given the file transport writing under a path that is a file, not a folder
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__TYPE", "file")
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__LOG_FILE_PATH", str(tmp_path / "a_file" / "x"))
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__APPEND", "true")
+    lineage.reset()
+    try:
+        # When two tasks run (four events that cannot be written)
+        with caplog.at_level(logging.DEBUG, logger=lineage.__name__):
+            report = scheduler.run_waves([[{"kind": "spark_sql", "sql": "SELECT 1 AS one"}] * 2])
+            lineage.reset()  # sends (tries to) what waits
+        # Then the tasks succeeded, and one WARNING says it, the others are DEBUG
+        assert report.ok, [c.error for c in report.failures]
+        said = [r for r in caplog.records if r.name == lineage.__name__]
+        assert [r.levelno for r in said].count(logging.WARNING) == 1, said
+        assert len(said) >= 2, said
+    finally:
+        lineage.reset()
+
+
+def test_datasets_are_named_as_openlineage_names_files() -> None:
+    assert lineage.dataset_id("file:/wh/t") == ("file", "/wh/t")
+    assert lineage.dataset_id("/wh/t/") == ("file", "/wh/t")
+    assert lineage.dataset_id("hdfs://nn:8020/wh/t") == ("hdfs://nn:8020", "/wh/t")
+    assert lineage.dataset_id("s3a://bucket/wh/t") == ("s3://bucket", "wh/t")
+    assert lineage.dataset_id("gs://bucket/wh/t") == ("gs://bucket", "wh/t")
+
+
+def test_the_parent_needs_the_senders_run_and_takes_its_root() -> None:
+    pytest.importorskip("openlineage.client")
+    assert lineage.parent_facet({"dag_id": "etl", "task_id": "t"}) is None  # no provider
+    parent = lineage.parent_facet(SENDER)
+    assert (parent.job.namespace, parent.job.name) == ("airflow-prod", SENDER["lineage_job_name"])
+    assert parent.run.runId == SENDER["lineage_run_id"]
+    assert parent.root.run.runId == SENDER["lineage_root_run_id"]
+    without_root = {k: v for k, v in SENDER.items() if not k.startswith("lineage_root")}
+    assert lineage.parent_facet(without_root).root is None
