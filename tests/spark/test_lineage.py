@@ -189,6 +189,23 @@ def test_a_failing_task_emits_fail_with_its_error(
     assert got[-1]["run"]["facets"]["parent"]["run"]["runId"] == SENDER["lineage_run_id"]
 
 
+def test_a_cancelled_task_emits_abort(events: Path, scheduler: TaskScheduler) -> None:
+    # Given a task that runs until it is cancelled, and has begun (its START is out)
+    endless = "SELECT sum(hash(id)) AS h FROM range(0, 400000000000)"
+    handle = scheduler.get_scheduler()
+    scheduler.exec_many(handle, [{"kind": "spark_sql", "name": "endless", "sql": endless}])
+    poll(lambda: read(events), DEADLINE, "the task's START")
+    # When its scheduler cancels it
+    scheduler.cancel(handle, "cancelled: by the test")
+    done = scheduler.synchronization(handle, timeout=DEADLINE)
+    scheduler.release_scheduler(handle)
+    assert done.status == "CANCELLED", done
+    # Then its run ends with ABORT, not FAIL
+    [got] = runs(events, 1).values()
+    assert [e["eventType"] for e in got] == ["START", "ABORT"]
+    assert "errorMessage" in got[-1]["run"]["facets"]
+
+
 def test_a_pyspark_task_and_an_output_field_have_their_runs(
     events: Path, scheduler: TaskScheduler, tmp_path: Path
 ) -> None:
