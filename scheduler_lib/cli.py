@@ -344,7 +344,8 @@ def _transport_endpoint(broker: Broker, args: argparse.Namespace) -> transport.T
 
 class _UtcFormatter(logging.Formatter):
     """Log lines stamped as everything else this command prints: ISO 8601 in UTC; a line
-    logged while a task runs names it, unless it does already."""
+    logged while a task runs names it, unless it does already, and the Airflow task
+    instance that sent it (``[task 7: load; etl.wave_1 scheduled__2026-11-27 try 1]``)."""
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         return reporting.utc(record.created, "milliseconds")
@@ -353,7 +354,15 @@ class _UtcFormatter(logging.Formatter):
         line = super().formatMessage(record)  # before a traceback, which follows
         log_id = getattr(record, "log_id", None)
         if log_id is not None and not re.search(rf"\btask {log_id}\b", record.getMessage()):
-            line += f" [task {log_id}: {getattr(record, 'task_name', None)}]"
+            sender = ""
+            dag_id = getattr(record, "dag_id", None)
+            if dag_id is not None:  # the Airflow task instance that sent it
+                sender = f"; {dag_id}.{getattr(record, 'task_id', None)}"
+                sender += f" {getattr(record, 'run_id', None)}"
+                try_number = getattr(record, "try_number", None)
+                if try_number is not None:
+                    sender += f" try {try_number}"
+            line += f" [task {log_id}: {getattr(record, 'task_name', None)}{sender}]"
         return line
 
 

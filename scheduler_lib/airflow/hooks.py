@@ -331,10 +331,11 @@ class SchedulerLibHook(BaseHook):
         return self.settings()[1]["target_service"]
 
     def get_scheduler(
-        self, context: Mapping[str, str | None] | None = None, *, target: str | None = None
+        self, context: Mapping[str, str | int | None] | None = None, *, target: str | None = None
     ) -> TaskScheduler:
-        """A task scheduler on the broker; ``context`` is Airflow's dag/run/task ids,
-        written into ``execution_log`` with every task sent."""
+        """A task scheduler on the broker; ``context`` is the Airflow task instance that
+        sends (its dag/run/task ids, written into ``execution_log`` with every task sent,
+        and what each task's message carries: see ``TaskScheduler``)."""
         return open_scheduler(
             self.get_conn(),
             migrate=self.settings()[1]["migrate"],

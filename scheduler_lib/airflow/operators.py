@@ -26,6 +26,7 @@ import collections
 import contextlib
 import datetime
 import json
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -57,6 +58,8 @@ try:  # Airflow's metrics (StatsD, OpenTelemetry, Datadog: whichever [metrics] c
 except ImportError:  # a common-compat release without it re-exported
     from airflow.stats import Stats
 
+log = logging.getLogger(__name__)
+
 STATS_PREFIX = "scheduler_lib.wave"  # Airflow's metrics: <prefix>.tasks_sent etc.
 FAILED_STATUSES = ("FAILED", "CANCELLED")
 DEFER_AFTER = 2.0  # seconds a deferrable operator waits in place before it defers a wave
@@ -71,6 +74,45 @@ def airflow_ids(context: Context) -> dict[str, str | None]:
     """The DAG, run and task ids ``execution_log`` records with every task sent."""
     ti = context["ti"]
     return {"dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id}
+
+
+def task_instance(context: Context) -> dict[str, str | int | None]:
+    """The sending task instance, as each task's message carries it to the worker: the
+    ids ``execution_log`` records, its try and map index, and — where Airflow's
+    OpenLineage provider is installed — its OpenLineage run (the provider's macros'
+    values), the parent of each Spark task's lineage run."""
+    ti = context["ti"]
+    map_index = getattr(ti, "map_index", None)
+    return {
+        **airflow_ids(context),
+        "try_number": try_number(context),
+        "map_index": None if map_index is None else int(map_index),
+        **lineage_run(ti),
+    }
+
+
+def lineage_run(ti: Any) -> dict[str, str]:
+    """The task instance's OpenLineage run (namespace, job name, run id, and its DAG
+    run's as root), computed by Airflow's OpenLineage provider as its listener does for
+    the events it sends of that task instance; none without the provider. The run id's
+    recipe changed between provider releases (it names the OpenLineage namespace, the
+    logical date, the try...), so it is never computed here by a copy of it."""
+    try:
+        from airflow.providers.openlineage.plugins import macros
+    except ImportError:
+        return {}
+    try:
+        return {
+            "lineage_job_namespace": macros.lineage_job_namespace(),
+            "lineage_job_name": macros.lineage_job_name(ti),
+            "lineage_run_id": macros.lineage_run_id(ti),
+            "lineage_root_job_namespace": macros.lineage_root_job_namespace(ti),
+            "lineage_root_job_name": macros.lineage_root_job_name(ti),
+            "lineage_root_run_id": macros.lineage_root_run_id(ti),
+        }
+    except Exception as exc:  # lineage never fails the task that sends
+        log.warning("no OpenLineage parent run for the tasks sent: %s: %s", type(exc).__name__, exc)
+        return {}
 
 
 def load_kinds() -> None:
@@ -266,7 +308,7 @@ class GetSchedulerOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, str]:
         with no_retry(self.task_id):
             hook = hooks.SchedulerLibHook(self.scheduler_lib_conn_id)
-            handle = hook.get_scheduler(airflow_ids(context)).get_scheduler(
+            handle = hook.get_scheduler(task_instance(context)).get_scheduler(
                 target=self.target_service or None
             )
         self.log.info("scheduler %s to %s", handle, handle.target_service)
@@ -364,7 +406,7 @@ class ExecAsyncOperator(BaseOperator):
         load_kinds()
         key = pull_handle(context, self.scheduler_handle, self.scheduler_task_id, self.task_id)
         scheduler = hooks.SchedulerLibHook(self.scheduler_lib_conn_id).get_scheduler(
-            airflow_ids(context)
+            task_instance(context)
         )
         try:
             handle = scheduler.attach(key)
@@ -422,7 +464,7 @@ class ExecAsyncOperator(BaseOperator):
         if event.get("status") == triggers.DONE:
             if scheduler is None:
                 hook = hooks.SchedulerLibHook(self.scheduler_lib_conn_id)
-                scheduler = hook.get_scheduler(airflow_ids(context))
+                scheduler = hook.get_scheduler(task_instance(context))
             key = str(carry["scheduler_handle"])
             sent = set(carry["log_ids"])
             before = [r for r in self._earlier(scheduler, context, key) if r["log_id"] not in sent]
@@ -567,7 +609,7 @@ class OrderedWavesOperator(BaseOperator):
     def _scheduler(self, context: Context) -> TaskScheduler:
         load_kinds()
         hook = hooks.SchedulerLibHook(self.scheduler_lib_conn_id)
-        return hook.get_scheduler(airflow_ids(context), target=self.target_service or None)
+        return hook.get_scheduler(task_instance(context), target=self.target_service or None)
 
     def _earlier(
         self, scheduler: TaskScheduler, context: Context, number: int | None = None

@@ -53,7 +53,21 @@ WAVE_WAIT_STEP = 5.0  # seconds: a waiting watcher re-reads the log at least thi
 # RECEIVEs them all at once (and waits at most this long for a first one)
 GATHER_WINDOW = 0.01
 LOG_ID_BLOCK = 64  # log ids a scheduler takes from the sequence at a time (PostgreSQL)
-AIRFLOW_FIELDS = ("dag_id", "run_id", "task_id")
+AIRFLOW_FIELDS = ("dag_id", "run_id", "task_id")  # recorded in execution_log
+# The sender's Airflow task instance, carried in each task's message (the executor's
+# TaskContext.airflow): its ids, and its OpenLineage run, the parent of the task's own
+# lineage run (names as the OpenLineage provider's macros)
+INSTANCE_FIELDS = (
+    *AIRFLOW_FIELDS,
+    "try_number",
+    "map_index",
+    "lineage_job_namespace",
+    "lineage_job_name",
+    "lineage_run_id",
+    "lineage_root_job_namespace",
+    "lineage_root_job_name",
+    "lineage_root_run_id",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +195,9 @@ class TaskScheduler:
     :param broker: the broker (its database holds the scheduler's catalog: run
         :func:`~scheduler_lib.scheduler.init` once)
     :param target: the default target service
-    :param context: Airflow's ``dag_id`` / ``run_id`` / ``task_id``, recorded in the log
+    :param context: the sending Airflow task instance: its ``dag_id`` / ``run_id`` /
+        ``task_id``, recorded in the log; those and the other :data:`INSTANCE_FIELDS` that
+        are set travel in each task's message, for the worker (``TaskContext.airflow``)
     """
 
     def __init__(
@@ -191,17 +207,20 @@ class TaskScheduler:
         names: catalog.Names | None = None,
         target: str = catalog.Target.service,
         caller_id: str | None = None,
-        context: Mapping[str, str | None] | None = None,
+        context: Mapping[str, str | int | None] | None = None,
     ) -> None:
         catalog.prepare(broker)
         self.broker = broker
         self.names = names or catalog.Names()
         self.target = target
         self.caller_id = caller_id or worker_name()
-        unknown = set(context or {}) - set(AIRFLOW_FIELDS)
-        if unknown:
-            raise InvalidArgument(f"context takes {AIRFLOW_FIELDS}, not {sorted(unknown)}")
-        self.context = {k: (context or {}).get(k) for k in AIRFLOW_FIELDS}
+        self.context, self.airflow = _instance(context or {})
+        # The messages' extra field, encoded once: nothing more per task than its bytes
+        self._airflow_json = (
+            f', "airflow": {json.dumps(self.airflow, separators=(",", ":"))}'
+            if self.airflow
+            else ""
+        )
         self._kinds: dict[str, frozenset[str]] = {}
         self._remote: dict[str, bool] = {}  # conversation handle -> target on another broker
         self._log_ids: collections.deque[int] = collections.deque()  # taken, not yet used
@@ -291,11 +310,10 @@ class TaskScheduler:
                         **self.context,
                     )
                 )
-                tx.send(
-                    handle.conversation_handle,
-                    self.names.sent,
-                    json.dumps({"log_id": log_id, "task": body, "wave": wave}),
-                )
+                message = {"log_id": log_id, "task": body, "wave": wave}
+                if self.airflow:
+                    message["airflow"] = self.airflow
+                tx.send(handle.conversation_handle, self.names.sent, json.dumps(message))
                 log_ids.append(log_id)
         handle.in_flight += len(log_ids)
         for log_id, task in zip(log_ids, tasks, strict=True):
@@ -408,7 +426,8 @@ class TaskScheduler:
         }
         # The message carries the row's task body as it is (no second encoding).
         messages = [
-            f'{{"log_id": {log_id}, "task": {body}, "wave": {json.dumps(wave)}}}'
+            f'{{"log_id": {log_id}, "task": {body}, "wave": {json.dumps(wave)}'
+            f"{self._airflow_json}}}"
             for log_id, body in zip(log_ids, bodies, strict=True)
         ]
 
@@ -943,6 +962,31 @@ class TaskScheduler:
 def _key(handle: SchedulerHandle | uuid.UUID | str) -> str:
     """A scheduler's conversation handle as text, from a handle object or the handle."""
     return str(handle.conversation_handle if isinstance(handle, SchedulerHandle) else handle)
+
+
+def _instance(
+    context: Mapping[str, str | int | None],
+) -> tuple[dict[str, str | None], dict[str, str | int]]:
+    """(the log's Airflow ids, the task instance's fields that are set) of a context.
+
+    :raises InvalidArgument: for a field not in :data:`INSTANCE_FIELDS`, or a value that is
+        not text (an integer for ``try_number`` and ``map_index``)
+    """
+    unknown = set(context) - set(INSTANCE_FIELDS)
+    if unknown:
+        raise InvalidArgument(f"context takes {INSTANCE_FIELDS}, not {sorted(unknown)}")
+    numbers = ("try_number", "map_index")
+    for field, value in context.items():
+        wanted = int if field in numbers else str
+        if value is not None and (not isinstance(value, wanted) or isinstance(value, bool)):
+            raise InvalidArgument(
+                f"context field {field!r} must be {wanted.__name__} or None, got {value!r}"
+            )
+    ids: dict[str, str | None] = {}
+    for field in AIRFLOW_FIELDS:
+        value = context.get(field)
+        ids[field] = value if value is None else str(value)
+    return ids, {k: v for k, v in context.items() if v is not None}
 
 
 def _wave(wave: Any) -> int | None:

@@ -54,6 +54,9 @@ TARGETS_REFRESH = 5.0  # seconds the allowed kinds of the targets are trusted
 CANCEL_POLL = 0.5  # seconds between a worker's looks for cancel requests while tasks run
 ERROR_LIMIT = 8000  # characters of a task's error kept
 RESULT_LIMIT = 64 * 1024  # characters of a task's result kept
+# What a taken message runs as: this broker's log id, the task, where it came from when
+# that is another broker, the Airflow task instance that sent it (the message's "airflow")
+Started = tuple[int, Task, "Origin | None", "Mapping[str, Any] | None"]
 
 SUCCEEDED, FAILED, CANCELLED = "SUCCEEDED", "FAILED", "CANCELLED"
 
@@ -183,19 +186,22 @@ class Executor:
                 self.broker.release(lease)
             raise
         if started is not None:
-            log_id, task, _ = started
+            log_id, task, _, airflow = started
+            sender = airflow or {}
             with logs.about_task(
                 log_id=log_id,
                 conversation_handle=str(lease.message.conversation_handle),
                 task_name=task.label,
                 task_kind=task.kind,
+                dag_id=sender.get("dag_id"),
+                run_id=sender.get("run_id"),
+                task_id=sender.get("task_id"),
+                try_number=sender.get("try_number"),
             ):
                 self._run(lease, *started)
         return True
 
-    def _start_riding_through(
-        self, lease: Lease, recorded: bool
-    ) -> tuple[int, Task, Origin | None] | None:
+    def _start_riding_through(self, lease: Lease, recorded: bool) -> Started | None:
         """:meth:`_start`, again while the database is away past the reconnect deadline
         (each call rides through up to it), unless this reader is asked to stop."""
         while True:
@@ -224,13 +230,25 @@ class Executor:
             self._remote[key] = remote
         return remote
 
-    def _copy_row(self, message: Any, payload: Mapping[str, Any], task: Task, origin: int) -> int:
-        """This broker's row for a task sent from another broker (made once)."""
+    def _copy_row(
+        self,
+        message: Any,
+        payload: Mapping[str, Any],
+        task: Task,
+        origin: int,
+        airflow: Mapping[str, Any] | None,
+    ) -> int:
+        """This broker's row for a task sent from another broker (made once); it names the
+        sender's Airflow task instance, as the sender's row does."""
+        sender = airflow or {}
         with self.broker.transaction() as tx:
             params = {"handle": str(message.conversation_handle), "origin_log_id": origin}
             tx.run(
                 "log_insert_copy",
                 caller_id=f"broker {message.service_name}",
+                dag_id=sender.get("dag_id"),
+                run_id=sender.get("run_id"),
+                task_id=sender.get("task_id"),
                 target=message.service_name,
                 wave=payload.get("wave"),
                 name=task.label[:256],
@@ -245,11 +263,11 @@ class Executor:
 
     # --- starting --------------------------------------------------------------------
 
-    def _start(self, lease: Lease, recorded: bool) -> tuple[int, Task, Origin | None] | None:
+    def _start(self, lease: Lease, recorded: bool) -> Started | None:
         """End dialogs, refuse what cannot run, record the start (durably) unless the
         take ``recorded`` it already. Returns what to run — this broker's log id, the
-        task, and where it came from when that is another broker — or ``None`` when it
-        was dealt with here."""
+        task, where it came from when that is another broker, and the Airflow task
+        instance that sent it — or ``None`` when it was dealt with here."""
         message = lease.message
         handle = message.conversation_handle
         if message.message_type_name in (END_DIALOG, ERROR):
@@ -265,6 +283,9 @@ class Executor:
         try:
             payload = message.json()
             log_id = int(payload["log_id"])
+            airflow = payload.get("airflow")
+            if not isinstance(airflow, dict):
+                airflow = None  # a sender without Airflow (or not understood): none
             if self._is_remote(handle):
                 origin = Origin(log_id)
             task = as_task(payload["task"], f"task {log_id}")
@@ -287,9 +308,9 @@ class Executor:
                 tx.complete(lease)
             return None
         if origin is not None:
-            log_id = self._copy_row(message, payload, task, origin.log_id)
+            log_id = self._copy_row(message, payload, task, origin.log_id, airflow)
         if recorded:
-            return log_id, task, origin
+            return log_id, task, origin, airflow
         application, job_group, ui_url = self._spark_at_start(task, log_id)
         if origin is not None:
             origin = Origin(origin.log_id, time.time(), application, job_group)
@@ -320,7 +341,7 @@ class Executor:
                 self._answer(tx, message, log_id, status, error, None, origin)
                 tx.complete(lease)
             return None
-        return log_id, task, origin
+        return log_id, task, origin, airflow
 
     def _spark_at_start(self, task: Task, log_id: int) -> tuple[str | None, str | None, str | None]:
         """(application, job group, UI) recorded with the start: known up front when the
@@ -367,7 +388,14 @@ class Executor:
 
     # --- running ---------------------------------------------------------------------
 
-    def _run(self, lease: Lease, log_id: int, task: Task, origin: Origin | None) -> None:
+    def _run(
+        self,
+        lease: Lease,
+        log_id: int,
+        task: Task,
+        origin: Origin | None,
+        airflow: Mapping[str, Any] | None,
+    ) -> None:
         began = time.time()
         recorded = self._spark_at_start(task, log_id)
 
@@ -385,7 +413,13 @@ class Executor:
             )
 
         context = TaskContext(
-            log_id, task, self.sql_url, record_spark, priority=lease.message.priority
+            log_id,
+            task,
+            self.sql_url,
+            record_spark,
+            priority=lease.message.priority,
+            service=lease.message.service_name,
+            airflow=airflow,
         )
         result: Any = None
         error: str | None = None

@@ -154,6 +154,11 @@ class TaskContext:
     """(application id, job group, Spark UI URL): where the task runs, for the log (a
     no-op when the start already recorded the same)."""
     priority: int = 5  # the conversation's priority level (1..10)
+    service: str | None = None  # the target service the task was sent to
+    airflow: Mapping[str, Any] | None = None
+    """The Airflow task instance that sent the task (``dag_id``, ``run_id``, ``task_id``,
+    ``try_number``, ``map_index``, its OpenLineage run ``lineage_*``: those the sender
+    set, see ``client.INSTANCE_FIELDS``); ``None`` from a sender without Airflow."""
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     cancel_reason: str | None = None
     _callbacks: list[Callable[[], None]] = dataclasses.field(default_factory=list)

@@ -1,7 +1,8 @@
 """Which task a log line is about, on every line written while it runs.
 
 The executor sets :data:`TASK` around each task it runs (its ``log_id``, the handle of
-the reader's side of its scheduler's conversation, its name and kind); :class:`TaskFields`
+the reader's side of its scheduler's conversation, its name and kind, and the Airflow
+task instance that sent it, when one did); :class:`TaskFields`
 copies it onto every record logged meanwhile by that thread — the executor's own lines,
 the task kind's, a library's the task calls — so a line is found by its task's id
 (``scheduler-lib serve|worker --log-format json``).
@@ -18,7 +19,17 @@ from collections.abc import Iterator, Mapping
 TASK: contextvars.ContextVar[Mapping[str, object] | None] = contextvars.ContextVar(
     "scheduler_lib_task", default=None
 )
-FIELDS = ("log_id", "conversation_handle", "task_name", "task_kind")
+FIELDS = (
+    "log_id",
+    "conversation_handle",
+    "task_name",
+    "task_kind",
+    # the sender's Airflow task instance (None from a sender without Airflow)
+    "dag_id",
+    "run_id",
+    "task_id",
+    "try_number",
+)
 
 
 @contextlib.contextmanager

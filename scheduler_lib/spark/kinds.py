@@ -29,6 +29,7 @@ from scheduler_lib.scheduler.kinds import (
     register_kind,
     statements_field,
 )
+from scheduler_lib.spark import lineage
 from scheduler_lib.spark import session as sessions
 
 if TYPE_CHECKING:
@@ -190,15 +191,20 @@ class SparkSqlKind:
         return checked
 
     def run(self, spec: Mapping[str, Any], context: TaskContext) -> Any:
-        with spark_job(context) as spark:
+        statements = spec["sql"]
+        with (
+            spark_job(context) as spark,
+            lineage.task_run(context, spark, sql=statements) as lineage_run,
+        ):
             frame = None
-            statements = spec["sql"]
             for number, statement in enumerate(statements, start=1):
                 _check_cancelled(context)
                 try:
                     frame = spark.sql(statement, args=spec.get("args") or None)
                 except Exception as exc:
                     raise SparkSqlError(_statement_error(number, len(statements), exc)) from exc
+                if lineage_run is not None:
+                    lineage_run.statement(frame)
             assert frame is not None
             _check_cancelled(context)
             output = spec.get("output")
@@ -211,6 +217,8 @@ class SparkSqlKind:
                         writer.saveAsTable(output["table"])
                     else:
                         writer.save(output["path"])
+                    if lineage_run is not None:
+                        lineage_run.written(output)
                     return {"statements": len(statements), "output": output}
                 result = preview(frame, spec.get("collect", COLLECT))
             except Exception as exc:
@@ -269,7 +277,7 @@ class PySparkKind:
 
     def run(self, spec: Mapping[str, Any], context: TaskContext) -> Any:
         function = resolve(spec["callable"], "pyspark task callable")
-        with spark_job(context) as spark:
+        with spark_job(context) as spark, lineage.task_run(context, spark):
             _check_cancelled(context)
             value = function(spark, *spec["args"], **spec["kwargs"])
             if hasattr(value, "take") and hasattr(value, "columns"):  # a DataFrame

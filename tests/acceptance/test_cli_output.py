@@ -558,6 +558,46 @@ def test_serve_with_reader_processes_logs_and_counts_what_they_ran(
     assert seen[("scheduler_lib_messages_received_total", (("queue", queue),))] >= 2
 
 
+@pytest.mark.parametrize("log_format", ["json", "text"])
+def test_serve_names_the_airflow_task_instance_that_sent_the_task(
+    sqlite_url: str, tmp_path: Path, serving: list[subprocess.Popen[bytes]], log_format: str
+) -> None:
+    # Given serve, its log as JSON lines or text
+    _ok("init", "--db", sqlite_url)
+    process, out, err = _serve(serving, tmp_path, "--db", sqlite_url, "--log-format", log_format)
+    _wait_for(out, "^serving", process)
+    # When an Airflow task instance (its try 2) sends a task that logs a line of its own
+    sender = {
+        "dag_id": "etl",
+        "run_id": "scheduled__2026-11-27T00:00:00+00:00",
+        "task_id": "wave_1",
+        "try_number": 2,
+        "map_index": -1,
+    }
+    with Broker(sqlite_url) as broker:
+        report = TaskScheduler(broker, context=sender).run_waves(
+            [[Task.python("logging:warning", "disk nearly full", name="cleanup")]]
+        )
+    [done] = report.completions
+    assert done.ok, done.error
+    # Then the task's line names that task instance too
+    if log_format == "json":
+        line = json.loads(_wait_for(err, r"^.*disk nearly full.*$", process).group(0))
+        assert line["log_id"] == done.log_id and line["task_name"] == "cleanup", line
+        assert line["dag_id"] == "etl" and line["task_id"] == "wave_1", line
+        assert line["run_id"] == sender["run_id"] and line["try_number"] == 2, line
+        # (only a task's lines name its sender)
+        for text in err.read_text().splitlines():
+            other = json.loads(text)
+            assert "log_id" in other or "dag_id" not in other, other
+    else:
+        line = _wait_for(err, r"^.*disk nearly full.*$", process).group(0)
+        assert line.endswith(
+            f"WARNING disk nearly full [task {done.log_id}: cleanup; etl.wave_1 "
+            f"{sender['run_id']} try 2]"
+        ), line
+
+
 # --- 4. Durations: finite, not negative ----------------------------------------------
 
 DURATIONS = {

@@ -100,11 +100,19 @@ def scheduler_lib_conn(
 @pytest.fixture
 def spark_worker(scheduler_lib_conn: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``scheduler-lib worker`` on the test's broker: a real Spark driver (``local[2]``)
-    in its own process, serving spark_sql, python and sql tasks with up to 4 readers."""
+    in its own process, serving spark_sql, python and sql tasks with up to 4 readers; its
+    OpenLineage events go to ``lineage.jsonl`` in the test's ``tmp_path``."""
     # The lowest-Airflow job installs what Airflow's environment needs, without Spark.
     pytest.importorskip("pyspark", reason="Spark is not installed (the `spark` extra)")
     warehouse = tmp_path / "warehouse"
-    with Processes(tmp_path, {**os.environ, "PYSPARK_PYTHON": sys.executable}) as processes:
+    # OpenLineage's file transport: each task's lineage events, one a line (test_dags)
+    lineage = {
+        "OPENLINEAGE__TRANSPORT__TYPE": "file",
+        "OPENLINEAGE__TRANSPORT__LOG_FILE_PATH": str(tmp_path / "lineage.jsonl"),
+        "OPENLINEAGE__TRANSPORT__APPEND": "true",
+    }
+    environment = {**os.environ, "PYSPARK_PYTHON": sys.executable, **lineage}
+    with Processes(tmp_path, environment) as processes:
         worker = processes.start(
             "worker",
             "worker",

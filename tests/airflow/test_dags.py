@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from multiproc import poll
 
 from scheduler_lib.broker import Broker, activation
 from scheduler_lib.scheduler import catalog, init
@@ -50,7 +51,7 @@ def released(broker: Broker, handle: str) -> bool:
 
 
 def test_example_dags_run_on_a_spark_worker(
-    dags: dict[str, Any], spark_worker: Any, scheduler_lib_conn: str
+    dags: dict[str, Any], spark_worker: Any, scheduler_lib_conn: str, tmp_path: Path
 ) -> None:
     # Given a Spark worker serving the broker of the scheduler_lib_default connection
     with Broker(scheduler_lib_conn) as broker:
@@ -89,6 +90,9 @@ def test_example_dags_run_on_a_spark_worker(
         assert sum(r["orders"] for r in report) == 60_000
         assert all(r["revenue"] > 0 for r in report)
         assert all(r["spark_job_group"] == f"scheduler_lib-{r['log_id']}" for r in rows)
+        # ... and each Spark task's OpenLineage run went out: its tables, and as parent the
+        # OpenLineage run Airflow's provider gives the task instance that sent it
+        check_lineage(tmp_path / "lineage.jsonl", run, rows)  # (spark_worker's file)
 
         # And a run triggered without a logical date (Airflow 3's REST API and UI may leave
         # it out: `ds` and `logical_date` are then undefined) succeeds too, its tables
@@ -99,6 +103,73 @@ def test_example_dags_run_on_a_spark_worker(
         assert {r["status"] for r in rows} == {"SUCCEEDED"}, [r["error"] for r in rows]
         instant = run.run_after.strftime("%Y%m%dT%H%M%S")
         assert f"raw_orders_{instant} " in json.loads(rows[0]["task_body"])["sql"][1]
+
+
+# What each task of the batch-ETL DAG reads and writes (tables of the run's day)
+ETL_LINEAGE = {
+    "load orders": ([], ["raw_orders"]),
+    "load customers": ([], ["raw_customers"]),
+    "load products": ([], ["raw_products"]),
+    "load returns": ([], ["raw_returns"]),
+    "enrich orders": (["raw_customers", "raw_orders", "raw_products"], ["orders_enriched"]),
+    "net returns": (["raw_returns"], ["returns_net"]),
+    "daily sales": (["orders_enriched", "returns_net"], ["daily_sales"]),
+    "sales report": (["daily_sales"], []),
+}
+
+
+def check_lineage(path: Path, run: Any, rows: list[dict[str, Any]]) -> None:
+    """The Spark worker's OpenLineage events of the ETL DAG's run ``run``: one START and
+    one COMPLETE per task, its tables, and its parent: the OpenLineage run of the Airflow
+    task instance that sent it, as the provider's listener names it."""
+    from airflow.providers.openlineage import conf as ol_conf
+    from airflow.providers.openlineage.utils.utils import (
+        build_dag_run_ol_run_id,
+        build_task_instance_ol_run_id,
+    )
+
+    def tags(event: dict[str, Any]) -> dict[str, str]:
+        return {t["key"]: t["value"] for t in event["run"]["facets"]["tags"]["tags"]}
+
+    def ended() -> list[dict[str, Any]] | None:
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        mine = [e for e in events if tags(e).get("airflow.run_id") == run.run_id]
+        return mine if sum(e["eventType"] != "START" for e in mine) >= len(rows) else None
+
+    events = poll(ended, 60, "the ETL run's lineage events")
+    by_log_id: dict[int, list[dict[str, Any]]] = {}
+    for event in events:
+        by_log_id.setdefault(int(tags(event)["scheduler_lib.log_id"]), []).append(event)
+    assert set(by_log_id) == {r["log_id"] for r in rows}
+    instances = {ti.task_id: ti for ti in run.get_task_instances()}
+    day = run.logical_date.strftime("%Y%m%d")
+    for row in rows:
+        start, end = by_log_id[row["log_id"]]
+        assert (start["eventType"], end["eventType"]) == ("START", "COMPLETE"), row
+        assert start["run"]["runId"] == end["run"]["runId"]
+        assert end["job"]["name"].endswith(f".{row['task_name']}")
+        read, written = ETL_LINEAGE[row["task_name"]]
+        for datasets, names in ((end["inputs"], read), (end["outputs"], written)):
+            got = [i["name"] for d in datasets for i in d["facets"]["symlinks"]["identifiers"]]
+            assert sorted(got) == [f"default.{t}_{day}" for t in names], row["task_name"]
+        # The sender's try (a retry of a wave sends nothing again: its earlier try sent)
+        ti = instances[row["task_id"]]
+        sent_by = int(tags(end)["airflow.try_number"])
+        assert 1 <= sent_by <= ti.try_number
+        parent = end["run"]["facets"]["parent"]
+        assert parent["job"]["namespace"] == ol_conf.namespace()
+        assert parent["job"]["name"] == f"{run.dag_id}.{row['task_id']}"
+        assert parent["run"]["runId"] == build_task_instance_ol_run_id(
+            dag_id=run.dag_id,
+            task_id=row["task_id"],
+            try_number=sent_by,
+            logical_date=run.logical_date,
+            map_index=ti.map_index,
+        )
+        assert parent["root"]["job"]["name"] == run.dag_id
+        assert parent["root"]["run"]["runId"] == build_dag_run_ol_run_id(
+            dag_id=run.dag_id, logical_date=run.logical_date, clear_number=run.clear_number
+        )
 
 
 def test_a_failed_task_fails_its_sensor_and_the_run_and_the_release_still_runs(

@@ -19,6 +19,7 @@ from multiproc import collect, poll, running
 
 from scheduler_lib.broker import Broker, SentBy, activation
 from scheduler_lib.broker.broker import TIMER_POLL_INTERVAL
+from scheduler_lib.broker.exceptions import InvalidArgument
 from scheduler_lib.scheduler import (
     Completion,
     InvalidTask,
@@ -571,6 +572,58 @@ def test_a_registered_kind_runs_where_the_target_allows_it(
     assert done.ok and done.result["echo"] == 7 and done.task_name == "echo 7"
     with pytest.raises(InvalidTask, match="field 'value'"):
         scheduler.run_waves([[{"kind": "echo"}]])
+
+
+class Sender:
+    """A task kind of the tests' own: returns the Airflow task instance that sent it."""
+
+    name = "sender"
+
+    def validate(self, spec: dict[str, Any], where: str) -> dict[str, Any]:
+        return spec
+
+    def run(self, spec: Mapping[str, Any], context: Any) -> Any:
+        return context.airflow
+
+    def describe(self, spec: Mapping[str, Any]) -> str:
+        return "sender"
+
+
+def test_the_airflow_task_instance_travels_with_each_task(
+    sched: Broker, executors: Executors
+) -> None:
+    # Given a scheduler for an Airflow task instance, and one without Airflow
+    register_kind(Sender())
+    init(sched, targets=[Target(activation=False, kinds=["sender"])])
+    ids = {"dag_id": "etl", "run_id": "manual__1", "task_id": "wave_1"}
+    sender = {
+        **ids,
+        "try_number": 3,
+        "map_index": -1,
+        "lineage_job_namespace": "airflow",
+        "lineage_job_name": "etl.wave_1",
+        "lineage_run_id": "01900000-0000-7000-8000-000000000000",
+    }
+    airflow = TaskScheduler(sched, context={**sender, "lineage_root_run_id": None})
+    plain = TaskScheduler(sched)
+    # When each sends one task (exec_async) and a wave of three (exec_many)
+    with executors(2):
+        for scheduler, expected in ((airflow, sender), (plain, None)):
+            with scheduler.scheduler() as handle:
+                scheduler.exec_async(handle, {"kind": "sender"})
+                scheduler.exec_many(handle, [{"kind": "sender"}] * 3, wave=1)
+                done = [scheduler.synchronization(handle, timeout=WAIT) for _ in range(4)]
+            # Then each task saw the sender's instance (the fields set), or None
+            assert [c.result for c in done] == [expected] * 4, done
+            # and the log rows name it
+            assert [{k: r[k] for k in ids} for r in scheduler.log(handle)] == [
+                ids if expected else dict.fromkeys(ids)
+            ] * 4
+    # A field it does not know, or a value of the wrong type, is refused
+    with pytest.raises(InvalidArgument, match="context takes"):
+        TaskScheduler(sched, context={"dag": "etl"})
+    with pytest.raises(InvalidArgument, match="'try_number' must be int"):
+        TaskScheduler(sched, context={"try_number": "1"})
 
 
 def test_exec_many_sends_all_or_nothing(

@@ -64,9 +64,10 @@ def test_the_blogs_waves_with_initiator_and_target_on_two_brokers(
         init(airflow_side, targets=[Target(address=eb.address)])
         init(spark_side, targets=[Target(activation=False)], initiator_address=ea.address)
         waves = [[sleep(units * UNIT)] * count for count, units in SHAPE]
+        ids = {"dag_id": "blog", "run_id": "manual__1", "task_id": "waves"}
         with executors(spark_side, 4):
-            # When the Airflow side runs the blog's waves
-            report = TaskScheduler(airflow_side).run_waves(waves)
+            # When the Airflow side (a task instance of a DAG) runs the blog's waves
+            report = TaskScheduler(airflow_side, context={**ids, "try_number": 1}).run_waves(waves)
         # Then every task succeeded, wave after wave, the tasks of a wave together
         assert report.ok and len(report.completions) == 10
         log = rows(airflow_side, report.scheduler_handle)
@@ -87,6 +88,10 @@ def test_the_blogs_waves_with_initiator_and_target_on_two_brokers(
         copies = rows(spark_side, far)
         assert sorted(r["origin_log_id"] for r in copies) == sorted(r["log_id"] for r in log)
         assert {r["status"] for r in copies} == {"SUCCEEDED"}
+        # (naming the Airflow task instance that sent them, as the initiator's rows do)
+        assert {(r["dag_id"], r["run_id"], r["task_id"]) for r in log + copies} == {
+            tuple(ids.values())
+        }
         # ... and a failing task's error travels back as its result
         failing = TaskScheduler(airflow_side)
         with executors(spark_side, 1), failing.scheduler() as handle:

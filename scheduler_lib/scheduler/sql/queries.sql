@@ -32,13 +32,14 @@ RETURNING log_id;
 
 -- name: log_insert_copy
 -- A task sent from another broker: this broker's row for its run (origin_log_id is the
--- initiator's log id); a copy already made for it (a redelivery) is kept.
+-- initiator's log id; the Airflow ids are its message's); a copy already made for it (a
+-- redelivery) is kept.
 INSERT INTO execution_log (
     caller_id, scheduler_handle, target_service, wave, task_name, task_kind, task_body,
-    sent_at, start_time, status, attempts, origin_log_id
+    sent_at, start_time, status, attempts, origin_log_id, dag_id, run_id, task_id
 ) VALUES (
     :caller_id, :handle, :target, :wave, :name, :kind, :body, :now, :now, 'QUEUED', 0,
-    :origin_log_id
+    :origin_log_id, :dag_id, :run_id, :task_id
 )
 ON CONFLICT DO NOTHING;
 
