@@ -76,6 +76,9 @@ REFRESH_INTERVAL = 3  # seconds between the page's polls (``?refresh=N`` to chan
 # routes) and leave the browser with a page that hangs. A restart shorter than this goes
 # unnoticed; a longer outage shows its reason until the database is back.
 UI_RECONNECT_TIMEOUT = 5.0
+# Filters the page takes from its query string (``failed=true`` too), as the snapshot does
+# (``range``: the last so many seconds, chosen in the page).
+PAGE_FILTERS = ("scheduler_handle", "dag_id", "run_id", "target", "kind", "range")
 STATIC_FILES = {  # name -> media type: the only files the static route serves
     "page.js": "text/javascript; charset=utf-8",
     "page.css": "text/css; charset=utf-8",
@@ -518,21 +521,21 @@ def _page(request: Request, fixed: tuple[str, str] | None) -> HTMLResponse:
     """
     base = request.scope.get("root_path", "").rstrip("/")
     query = request.query_params
+    filters: dict[str, Any] = {k: query.get(k, "") for k in PAGE_FILTERS}
+    filters["failed"] = query.get("failed", "").lower() in ("1", "true", "yes", "on")
     if fixed is None:
         title, subtitle = "Execution Status", "scheduler_lib: what runs now and what ran"
         api = f"{base}/api/snapshot"
-        filters = {k: query.get(k, "") for k in ("scheduler_handle", "dag_id", "run_id")}
     else:
         dag_id, run_id = fixed
         title, subtitle = "Execution Status", f"{dag_id} / {run_id}"
         api = f"{base}/api/dags/{_quote(dag_id)}/runs/{_quote(run_id)}/snapshot"
-        filters = {
-            "scheduler_handle": query.get("scheduler_handle", ""),
-            "dag_id": dag_id,
-            "run_id": run_id,
-        }
+        filters.update(dag_id=dag_id, run_id=run_id)
     settings = {
         "api": api,
+        "actions": f"{base}/api/tasks",
+        # Airflow's UI, for links to task instances: where the api-server mounted us.
+        "airflowBase": base[: -len(URL_PREFIX)] if base.endswith(URL_PREFIX) else "",
         "fixedRun": fixed is not None,
         "filters": filters,
         "limit": _int(query.get("limit"), monitor.DEFAULT_LIMIT, 1, monitor.MAX_LIMIT),
