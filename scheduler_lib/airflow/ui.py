@@ -5,18 +5,23 @@ as a tab of every DAG run.
 Routes, relative to the mount point (``/scheduler-lib``):
 
 - ``GET /`` — the page: what runs now (``execution_status``), the newest
-  ``execution_log`` rows, filters by scheduler handle / DAG / run, a timeline of the rows
-  by worker, refreshed every few seconds.
+  ``execution_log`` rows, filters by scheduler handle / DAG / run / target / kind / time
+  range / failed only, a timeline of the rows by worker, refreshed every few seconds.
 - ``GET /dags/{dag_id}/runs/{run_id}`` — the same page, fixed to one DAG run.
 - ``GET /api/snapshot`` and ``GET /api/dags/{dag_id}/runs/{run_id}/snapshot`` — the JSON
-  the pages poll.
+  the pages poll; each row says whether the user may act on it (``editable``).
+- ``POST /api/tasks/{log_id}/cancel`` and ``POST /api/tasks/{log_id}/retry`` — the
+  actions (docs/airflow.md, "The Execution Status page: triage").
 - ``GET /static/{name}`` — the page's script and style sheet.
 
 Every route needs an Airflow login, through Airflow's own dependencies: the JWT in the
 ``Authorization`` header or in the UI's ``_token`` cookie (an anonymous request gets
 401). A DAG run's routes need read access to that DAG's runs; on the top-level page a row
 of a DAG is shown only to users who may read that DAG's runs, and rows sent outside
-Airflow (no DAG) only to users who may see the cluster activity view.
+Airflow (no DAG) only to users who may see the cluster activity view. Cancel and retry
+need edit access to the DAG's task instances (what clearing one in Airflow's UI needs),
+or for rows sent outside Airflow edit access to Airflow's configuration; each is written
+to Airflow's audit log (a ``Log`` row naming the user).
 
 The broker is the one of the ``scheduler_lib`` connection named by ``[scheduler_lib]
 ui_conn_id`` in Airflow's configuration (default ``scheduler_lib_default``), looked up
