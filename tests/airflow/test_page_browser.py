@@ -111,7 +111,9 @@ const summary = details.querySelector("summary"), pre = details.querySelector("p
 const box = (e) => { const b = e.getBoundingClientRect();
                      return {left: b.left, right: b.right, width: b.width, height: b.height}; };
 return {open: details.open, summary: summary.textContent, summary_box: box(summary),
-        pre: pre.textContent, pre_box: box(pre), viewport: document.documentElement.clientWidth};
+        pre: pre.textContent, pre_box: box(pre), viewport: document.documentElement.clientWidth,
+        // text wider than its box would be cut off or scrolled out of sight
+        pre_hidden: pre.scrollWidth - pre.clientWidth};
 """
 
 
@@ -185,6 +187,14 @@ def test_the_page_serves_triage_in_a_browser(
         # Actions ask for a confirmation: say yes.
         driver.execute_script("window.confirm = () => true;")
 
+    def click(selector: str) -> None:
+        """Click an element of the page where it is now (a selenium element found first
+        could be redrawn by a refresh before the click)."""
+        assert driver.execute_script(
+            "const e = document.querySelector(arguments[0]); if (e) e.click(); return !!e;",
+            selector,
+        ), selector
+
     def result_text() -> str:
         return str(driver.execute_script(RESULT))
 
@@ -203,12 +213,11 @@ def test_the_page_serves_triage_in_a_browser(
         assert cell["summary_box"]["width"] > 200 and cell["summary_box"]["height"] > 0, cell
         assert cell["summary_box"]["right"] <= cell["viewport"], cell
         # When it is clicked, the whole text opens in place, wrapped inside the screen
-        driver.find_element(
-            By.CSS_SELECTOR, f'#log tr[data-log-id="{failing}"] td.error summary'
-        ).click()
+        click(f'#log tr[data-log-id="{failing}"] td.error summary')
         cell = driver.execute_script(ERROR_CELL, failing)
         assert cell["open"] and cell["pre"] == error
         assert cell["pre_box"]["height"] > 40 and cell["pre_box"]["right"] <= cell["viewport"]
+        assert cell["pre_hidden"] <= 1, cell
         # and it stays open across refreshes (the page redraws every few seconds)
         before = driver.find_element(By.ID, "updated").get_attribute("data-age")
         until(
@@ -242,13 +251,13 @@ def test_the_page_serves_triage_in_a_browser(
         # --- actions, as an administrator ------------------------------------------------
         shown = rows()
         assert shown[sleeper]["actions"] == ["cancel"] and shown[doomed]["actions"] == ["retry"]
-        driver.find_element(By.CSS_SELECTOR, f'tr[data-log-id="{sleeper}"] button.cancel').click()
+        click(f'tr[data-log-id="{sleeper}"] button.cancel')
         # (a python task cannot be interrupted: its worker is asked to stop it, and the
         # page says so until it ends)
         until(lambda: rows()[sleeper]["stopping"], "the sleeper shown stopping")
         until(lambda: "asked to stop" in result_text(), "the cancel's answer")
         assert row(sleeper)["cancel_requested_at"] is not None
-        driver.find_element(By.CSS_SELECTOR, f'tr[data-log-id="{doomed}"] button.retry').click()
+        click(f'tr[data-log-id="{doomed}"] button.retry')
         until(
             lambda: [i for i, r in rows().items() if r["task"] == "doomed" and i != doomed],
             "the retried task's new row",
@@ -279,7 +288,7 @@ def test_the_page_serves_triage_in_a_browser(
         task_id = row(blog["log_id"])["task_id"]
         expected = f"{api.base}/dags/{DAG_ID}/runs/{quote(run_id)}/tasks/{task_id}"
         assert blog["ti_log"] == expected
-        driver.find_element(By.CSS_SELECTOR, f'tr[data-log-id="{blog["log_id"]}"] a.ti-log').click()
+        click(f'tr[data-log-id="{blog["log_id"]}"] a.ti-log')
         driver.switch_to.default_content()
         until(lambda: driver.current_url == expected, "Airflow's task instance page")
         until(
