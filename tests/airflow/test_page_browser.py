@@ -38,6 +38,7 @@ STARTUP = 180.0  # seconds for standalone to come up healthy
 RUN_DEADLINE = 150.0  # seconds for the blog's DAG run to finish
 WAIT = 30.0  # seconds for the page to show what it was asked
 WIDTH = 1400  # pixels: the window the issue found the error off-screen in
+TEARDOWN = "release_scheduler"  # the blog DAG's last task
 VERA = secrets.token_hex(8)  # the viewer's password, after "vera-"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(480)]
@@ -127,10 +128,11 @@ def test_the_page_serves_triage_in_a_browser(
     api.unpause(DAG_ID)
     run_id = api.trigger(DAG_ID)["dag_run_id"]
 
-    # Given a task of that DAG run that fails at once with a long error, and outside
+    # Given a task of that DAG run that fails at once with a long error (sent, as far as
+    # the page knows, by its teardown task: clearing it again is harmless), and outside
     # Airflow a task that sleeps and one that fails
     in_run = TaskScheduler(
-        broker, context={"dag_id": DAG_ID, "run_id": run_id, "task_id": "triage"}
+        broker, context={"dag_id": DAG_ID, "run_id": run_id, "task_id": TEARDOWN}
     )
     failing = in_run.exec_async(
         in_run.get_scheduler(), Task.python("builtins:int", "not a number " * 60, name="bad int")
@@ -264,7 +266,7 @@ def test_the_page_serves_triage_in_a_browser(
         )
         until(lambda: "sent again" in result_text(), "the retry's answer")
         audit = api.call("GET", "/api/v2/eventLogs?event_pattern=scheduler_lib")[1]
-        assert {(e["event"], e["owner"]) for e in audit["event_logs"]} == {
+        assert {(e["event"], e["owner"]) for e in audit["event_logs"]} >= {
             ("scheduler_lib_cancel_task", "admin"),
             ("scheduler_lib_retry_task", "admin"),
         }
@@ -299,6 +301,23 @@ def test_the_page_serves_triage_in_a_browser(
             "GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}/taskInstances/{task_id}"
         )
         assert status == 200 and ti["state"] == "success", ti
+
+        # --- retry of a row an Airflow task sent: its ended task instance is cleared ------
+        teardown = f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}/taskInstances/{TEARDOWN}"
+        tries = api.call("GET", teardown)[1]["try_number"]
+        open_in_airflow(f"{api.base}/plugin/execution-status/scheduler-lib/?refresh=1")
+        assert rows()[failing]["actions"] == ["retry"]
+        click(f'tr[data-log-id="{failing}"] button.retry')
+        until(lambda: "was cleared" in result_text(), "the retry's answer")
+        wait_for(
+            lambda: (
+                api.call("GET", teardown)[1]["try_number"] > tries
+                and api.call("GET", teardown)[1]["state"] == "success"
+            ),
+            RUN_DEADLINE,
+            "Airflow ran the cleared task instance again",
+            check=processes.check_alive,
+        )
 
         # --- the viewer: rows, no actions, and a refused POST -------------------------------
         viewer = Api(api.base)
