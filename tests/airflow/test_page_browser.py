@@ -32,12 +32,13 @@ from bench.airflow_standalone import (
     wait_for,
 )
 from scheduler_lib.broker import Broker
-from scheduler_lib.scheduler import Task, TaskScheduler, monitor
+from scheduler_lib.scheduler import Target, Task, TaskScheduler, init, monitor
 
 STARTUP = 180.0  # seconds for standalone to come up healthy
 RUN_DEADLINE = 150.0  # seconds for the blog's DAG run to finish
 WAIT = 30.0  # seconds for the page to show what it was asked
 WIDTH = 1400  # pixels: the window the issue found the error off-screen in
+PARKED = "ParkedTarget"  # a target service nobody serves
 TEARDOWN = "release_scheduler"  # the blog DAG's last task
 VERA = secrets.token_hex(8)  # the viewer's password, after "vera-"
 
@@ -72,6 +73,11 @@ def triage(tmp_path: Path) -> Iterator[tuple[Api, Processes, Broker]]:
             capture_output=True,
             timeout=60,
         )
+        # A target nobody serves: what is sent to it stays queued.
+        with Broker(broker_url) as setup:
+            init(
+                setup, targets=[Target(), Target(service=PARKED, queue="Parked", activation=False)]
+            )
         processes.start(
             "serve", [str(BIN / "scheduler-lib"), "serve", "--db", broker_url], airflow.env
         )
@@ -141,6 +147,11 @@ def test_the_page_serves_triage_in_a_browser(
     handle = plain.get_scheduler()
     sleeper = plain.exec_async(handle, Task.python("time:sleep", 300, name="sleeper"))
     doomed = plain.exec_async(handle, Task.python("json:loads", "{", name="doomed"))
+    parked = TaskScheduler(broker, target=PARKED)
+    parked_handle = parked.get_scheduler()
+    queued = [
+        parked.exec_async(parked_handle, Task.sql("SELECT 1", name=f"parked {i}")) for i in range(3)
+    ]
 
     def row(log_id: int) -> dict[str, Any]:
         found = monitor.task(broker, log_id)
@@ -248,9 +259,22 @@ def test_the_page_serves_triage_in_a_browser(
         form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
         until(lambda: not rows(), "no failed sql task")
         driver.find_element(By.ID, "clear").click()
-        until(lambda: {failing, doomed, sleeper} <= set(rows()), "every row again")
+        until(lambda: {failing, doomed, sleeper, *queued} <= set(rows()), "every row again")
+
+        # --- the timeline: queued rows (all waiting until now) each in a lane of its own --
+        lanes = driver.execute_script(
+            """return arguments[0].map((id) => document.querySelector(
+                 `#timeline rect.bar[data-log-id="${id}"]`).getAttribute("y"));""",
+            queued,
+        )
+        assert len(set(lanes)) == len(queued), lanes
 
         # --- actions, as an administrator ------------------------------------------------
+        assert rows()[queued[0]]["actions"] == ["cancel"]
+        click(f'tr[data-log-id="{queued[0]}"] button.cancel')
+        until(lambda: rows()[queued[0]]["status"] == "CANCELLED", "the queued task cancelled")
+        until(lambda: "will not run" in result_text(), "the cancel's answer")
+        assert [rows()[i]["status"] for i in queued[1:]] == ["QUEUED", "QUEUED"]
         shown = rows()
         assert shown[sleeper]["actions"] == ["cancel"] and shown[doomed]["actions"] == ["retry"]
         click(f'tr[data-log-id="{sleeper}"] button.cancel')
