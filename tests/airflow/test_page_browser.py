@@ -259,6 +259,26 @@ def test_the_page_serves_triage_in_a_browser(
         form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
         until(lambda: not rows(), "no failed sql task")
         driver.find_element(By.ID, "clear").click()
+        until(lambda: {failing, doomed, sleeper, *queued} <= set(rows()), "every row")
+        form.find_element(By.NAME, "target").send_keys(PARKED)
+        form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        until(lambda: set(rows()) == set(queued), "the parked target's rows only")
+        # A time range: from a day ahead (the form's own inputs, set as a user's typing
+        # would), nothing; the last hour, the rows again
+        driver.execute_script(
+            """const form = document.getElementById("filters");
+            form.elements.range.value = "custom";
+            form.elements.range.dispatchEvent(new Event("change"));
+            const ahead = new Date(Date.now() + 86400e3 - new Date().getTimezoneOffset() * 60e3);
+            form.elements.from.value = ahead.toISOString().slice(0, 19);"""
+        )
+        assert form.find_element(By.NAME, "from").is_displayed()
+        form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        until(lambda: not rows(), "nothing sent from tomorrow on")
+        driver.execute_script('document.getElementById("filters").elements.range.value = "3600";')
+        form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        until(lambda: set(rows()) == set(queued), "the last hour's rows")
+        driver.find_element(By.ID, "clear").click()
         until(lambda: {failing, doomed, sleeper, *queued} <= set(rows()), "every row again")
 
         # --- the timeline: queued rows (all waiting until now) each in a lane of its own --

@@ -394,6 +394,17 @@ def test_snapshot_shows_the_rows_filtered(
     assert refused.status_code == 400 and "needs dag_id" in refused.json()["detail"]
     too_many = api_server.get(f"{PREFIX}/api/snapshot", params={"limit": 10**6}, headers=admin)
     assert too_many.status_code == 422
+    # The triage filters, and bad ones named in one line
+    assert log(failed="true") == []
+    assert log(target="ServiceAsyncTarget", kind="sql", since="0") == everything
+    assert log(since=str(time.time() + 3600)) == []
+    for params, says in (
+        ({"since": "yesterday"}, "since must be a time in seconds since the epoch"),
+        ({"since": "10", "until": "5"}, "the time range is empty"),
+    ):
+        bad = api_server.get(f"{PREFIX}/api/snapshot", params=params, headers=admin)
+        assert bad.status_code == 400 and says in bad.json()["detail"], bad.text
+        assert "\n" not in bad.json()["detail"]
 
 
 def test_run_tab_shows_only_its_run(
