@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_standalone import CHROME_FLAGS, DAG_ID, chromium  # noqa: F401 (a fixture)
 
 from bench.airflow_standalone import (
     BIN,
@@ -33,6 +32,7 @@ from bench.airflow_standalone import (
 )
 from scheduler_lib.broker import Broker
 from scheduler_lib.scheduler import Target, Task, TaskScheduler, init, monitor
+from tests.airflow.test_standalone import CHROME_FLAGS, DAG_ID, chromium  # noqa: F401 (a fixture)
 
 STARTUP = 180.0  # seconds for standalone to come up healthy
 RUN_DEADLINE = 150.0  # seconds for the blog's DAG run to finish
