@@ -125,3 +125,9 @@ ALTER TABLE scheduler_targets ADD COLUMN durable_start BOOLEAN DEFAULT 1 NOT NUL
 
 UPDATE scheduler_alembic_version SET version_num='s0006' WHERE scheduler_alembic_version.version_num = 's0005';
 
+-- Running upgrade s0006 -> s0007
+
+CREATE INDEX ix_execution_log_failed ON execution_log (log_id) WHERE status = 'FAILED';
+
+UPDATE scheduler_alembic_version SET version_num='s0007' WHERE scheduler_alembic_version.version_num = 's0006';
+

@@ -5,18 +5,23 @@ as a tab of every DAG run.
 Routes, relative to the mount point (``/scheduler-lib``):
 
 - ``GET /`` — the page: what runs now (``execution_status``), the newest
-  ``execution_log`` rows, filters by scheduler handle / DAG / run, a timeline of the rows
-  by worker, refreshed every few seconds.
+  ``execution_log`` rows, filters by scheduler handle / DAG / run / target / kind / time
+  range / failed only, a timeline of the rows by worker, refreshed every few seconds.
 - ``GET /dags/{dag_id}/runs/{run_id}`` — the same page, fixed to one DAG run.
 - ``GET /api/snapshot`` and ``GET /api/dags/{dag_id}/runs/{run_id}/snapshot`` — the JSON
-  the pages poll.
+  the pages poll; each row says whether the user may act on it (``editable``).
+- ``POST /api/tasks/{log_id}/cancel`` and ``POST /api/tasks/{log_id}/retry`` — the
+  actions (docs/airflow.md, "The Execution Status page: triage").
 - ``GET /static/{name}`` — the page's script and style sheet.
 
 Every route needs an Airflow login, through Airflow's own dependencies: the JWT in the
 ``Authorization`` header or in the UI's ``_token`` cookie (an anonymous request gets
 401). A DAG run's routes need read access to that DAG's runs; on the top-level page a row
 of a DAG is shown only to users who may read that DAG's runs, and rows sent outside
-Airflow (no DAG) only to users who may see the cluster activity view.
+Airflow (no DAG) only to users who may see the cluster activity view. Cancel and retry
+need edit access to the DAG's task instances (what clearing one in Airflow's UI needs),
+or for rows sent outside Airflow edit access to Airflow's configuration; each is written
+to Airflow's audit log (a ``Log`` row naming the user).
 
 The broker is the one of the ``scheduler_lib`` connection named by ``[scheduler_lib]
 ui_conn_id`` in Airflow's configuration (default ``scheduler_lib_default``), looked up
@@ -38,8 +43,8 @@ import importlib.resources
 import json
 import string
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator
-from typing import Annotated, Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Annotated, Any, Literal
 
 import sqlalchemy as sa
 from airflow.api_fastapi.app import get_auth_manager
@@ -58,13 +63,14 @@ from airflow.configuration import conf
 from airflow.exceptions import AirflowNotFoundException
 from airflow.models.connection import Connection
 from airflow.models.dag import DagModel
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response, status
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response, status
 from fastapi.responses import HTMLResponse
 
 from scheduler_lib.airflow import hooks
 from scheduler_lib.broker import Broker, engine
 from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
-from scheduler_lib.scheduler import monitor
+from scheduler_lib.scheduler import TaskScheduler, monitor
+from scheduler_lib.scheduler.errors import SchedulerEnded
 
 URL_PREFIX = "/scheduler-lib"  # where the api-server mounts the app
 CONFIG_SECTION = "scheduler_lib"
@@ -75,6 +81,9 @@ REFRESH_INTERVAL = 3  # seconds between the page's polls (``?refresh=N`` to chan
 # routes) and leave the browser with a page that hangs. A restart shorter than this goes
 # unnoticed; a longer outage shows its reason until the database is back.
 UI_RECONNECT_TIMEOUT = 5.0
+# Filters the page takes from its query string (``failed=true`` too), as the snapshot does
+# (``range``: the last so many seconds, chosen in the page).
+PAGE_FILTERS = ("scheduler_handle", "dag_id", "run_id", "target", "kind", "range")
 STATIC_FILES = {  # name -> media type: the only files the static route serves
     "page.js": "text/javascript; charset=utf-8",
     "page.css": "text/css; charset=utf-8",
@@ -86,6 +95,7 @@ STATIC_FILES = {  # name -> media type: the only files the static route serves
 Authenticated = Depends(requires_authenticated())
 CanReadRun = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
 Limit = Annotated[int, Query(ge=1, le=monitor.MAX_LIMIT)]
+LogId = Annotated[int, Path(ge=1, le=monitor.LAST_LOG_ID)]
 
 
 def conn_id() -> str:
@@ -260,25 +270,83 @@ def create_app() -> FastAPI:
         scheduler_handle: str | None = None,
         dag_id: str | None = None,
         run_id: str | None = None,
+        failed: bool = False,
+        target: str | None = None,
+        kind: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
         limit: Limit = monitor.DEFAULT_LIMIT,
     ) -> dict[str, Any]:
-        """What runs now and the newest log rows the user may see, filtered."""
-        data = _snapshot(broker, limit, scheduler_handle, dag_id, run_id)
-        visible = _visibility(user)
-        data["running"] = [r for r in data["running"] if visible(r.get("dag_id"))]
-        data["log"] = [r for r in data["log"] if visible(r.get("dag_id"))]
-        return data
+        """What runs now and the newest log rows the user may see, filtered (the limit
+        counts the rows the user may see)."""
+        filters = _filters(scheduler_handle, dag_id, run_id, failed, target, kind, since, until)
+        visible = _permission(user, "GET")
+        with database(broker):
+            data = monitor.snapshot(
+                broker, filters, limit=limit, visible=lambda row: visible(row.get("dag_id"))
+            )
+        return _with_actions(data, user)
 
     @app.get("/api/dags/{dag_id}/runs/{run_id:path}/snapshot", dependencies=[CanReadRun])
     def run_snapshot(
         broker: BrokerDep,
+        user: GetUserDep,
         dag_id: str,
         run_id: str,
         scheduler_handle: str | None = None,
+        failed: bool = False,
+        target: str | None = None,
+        kind: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
         limit: Limit = monitor.DEFAULT_LIMIT,
     ) -> dict[str, Any]:
         """What one DAG run's tasks run now and sent (the dependency checked the DAG)."""
-        return _snapshot(broker, limit, scheduler_handle, dag_id, run_id)
+        filters = _filters(scheduler_handle, dag_id, run_id, failed, target, kind, since, until)
+        with database(broker):
+            data = monitor.snapshot(broker, filters, limit=limit)
+        return _with_actions(data, user)
+
+    @app.post("/api/tasks/{log_id}/cancel", dependencies=[Authenticated])
+    def cancel_task(broker: BrokerDep, user: GetUserDep, log_id: LogId) -> dict[str, Any]:
+        """Cancel one task: it will not run, or its worker is asked to stop it."""
+        row = _editable_row(broker, user, log_id)
+        with database(broker):
+            outcome = _scheduler(broker).cancel_task(log_id, f"cancelled by {user.get_name()}")
+        message = {
+            "cancelled": f"log id {log_id} had not started: it will not run",
+            "stopping": f"log id {log_id} is running: its worker was asked to stop it",
+        }.get(outcome, f"log id {log_id} had ended already ({outcome}): nothing was done")
+        return _audited(user, "cancel", row, outcome, message)
+
+    @app.post("/api/tasks/{log_id}/retry", dependencies=[Authenticated])
+    def retry_task(broker: BrokerDep, user: GetUserDep, log_id: LogId) -> dict[str, Any]:
+        """Retry one failed (or cancelled) task: clear its Airflow task instance, or send
+        it again on its scheduler when it was sent outside Airflow."""
+        row = _editable_row(broker, user, log_id)
+        if row["status"] not in ("FAILED", "CANCELLED"):
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                f"log id {log_id} is {row['status']}: only a failed or cancelled task is retried",
+            )
+        if row.get("dag_id") and row.get("run_id") and row.get("task_id"):
+            outcome, message = _clear_task_instance(row)
+        else:
+            with database(broker):
+                try:
+                    new_id = _scheduler(broker).resend_task(log_id)
+                except SchedulerEnded as exc:
+                    raise HTTPException(
+                        status.HTTP_409_CONFLICT,
+                        f"log id {log_id} cannot be sent again: {exc} (its sender is done "
+                        "with it; send the task anew)",
+                    ) from None
+            outcome = "resent"
+            message = (
+                f"log id {log_id} was sent again on scheduler {row['scheduler_handle']} "
+                f"as log id {new_id}"
+            )
+        return _audited(user, "retry", row, outcome, message)
 
     @app.get("/static/{name}", dependencies=[Authenticated])
     def static(name: str) -> Response:
@@ -294,46 +362,154 @@ def create_app() -> FastAPI:
     return app
 
 
-def _snapshot(
-    broker: Broker,
-    limit: int,
+def _filters(
     scheduler_handle: str | None,
     dag_id: str | None,
     run_id: str | None,
-) -> dict[str, Any]:
+    failed: bool,
+    target: str | None,
+    kind: str | None,
+    since: str | None,
+    until: str | None,
+) -> monitor.Filters:
     try:
-        filters = monitor.Filters.of(scheduler_handle, dag_id, run_id)
+        return monitor.Filters.of(
+            scheduler_handle,
+            dag_id,
+            run_id,
+            failed=failed,
+            target=target,
+            kind=kind,
+            since=since,
+            until=until,
+        )
     except InvalidArgument as exc:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from None
-    with database(broker):
-        return monitor.snapshot(broker, filters, limit=limit)
 
 
-def _visibility(user: BaseUser) -> Callable[[str | None], bool]:
-    """Whether the user may see rows of a DAG (``None``: rows sent outside Airflow).
+def _permission(user: BaseUser, method: Literal["GET", "PUT"]) -> Callable[[str | None], bool]:
+    """Whether the user may see (``GET``) or act on (``PUT``) rows of a DAG (``None``:
+    rows sent outside Airflow).
 
     Asked once per DAG id and request, with the DAG's team (multi-team deployments), as
-    Airflow's own DAG run routes ask.
+    Airflow's own routes ask: ``GET`` is read access to the DAG's runs, ``PUT`` edit
+    access to its task instances (what clearing one in Airflow's UI needs). Rows sent
+    outside Airflow need the cluster activity view to be seen and edit access to
+    Airflow's configuration (an administrator's right) to be acted on.
     """
     auth_manager = get_auth_manager()
     answers: dict[str | None, bool] = {}
 
-    def visible(dag_id: str | None) -> bool:
+    def allowed(dag_id: str | None) -> bool:
         if dag_id not in answers:
-            if dag_id is None:
+            if dag_id is None and method == "GET":
                 answers[None] = auth_manager.is_authorized_view(
                     access_view=AccessView.CLUSTER_ACTIVITY, user=user
                 )
+            elif dag_id is None:
+                answers[None] = auth_manager.is_authorized_configuration(method="PUT", user=user)
             else:
                 answers[dag_id] = auth_manager.is_authorized_dag(
-                    method="GET",
-                    access_entity=DagAccessEntity.RUN,
+                    method=method,
+                    access_entity=DagAccessEntity.RUN
+                    if method == "GET"
+                    else DagAccessEntity.TASK_INSTANCE,
                     details=DagDetails(id=dag_id, team_name=_team_names([dag_id]).get(dag_id)),
                     user=user,
                 )
         return answers[dag_id]
 
-    return visible
+    return allowed
+
+
+def _with_actions(data: dict[str, Any], user: BaseUser) -> dict[str, Any]:
+    """The snapshot with, on each row, whether the user may cancel or retry it."""
+    editable = _permission(user, "PUT")
+    for row in (*data["running"], *data["log"]):
+        row["editable"] = row.get("log_id") is not None and editable(row.get("dag_id"))
+    return data
+
+
+def _scheduler(broker: Broker) -> TaskScheduler:
+    return TaskScheduler(broker)
+
+
+def _editable_row(broker: Broker, user: BaseUser, log_id: int) -> dict[str, Any]:
+    """The log's row ``log_id``, when the user may act on it.
+
+    :raises HTTPException: 404 for no such row, 403 when the user may not act on it
+    """
+    with database(broker):
+        row = monitor.task(broker, log_id)
+    if row is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"log id {log_id}: no such row")
+    if not _permission(user, "PUT")(row.get("dag_id")):
+        needs = (
+            f"edit access to DAG {row['dag_id']!r}'s task instances"
+            if row.get("dag_id")
+            else "edit access to Airflow's configuration (a row sent outside Airflow)"
+        )
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"log id {log_id}: this needs {needs}")
+    return row
+
+
+def _clear_task_instance(row: Mapping[str, Any]) -> tuple[str, str]:
+    """Retry a row an Airflow task sent: clear that task instance (Airflow's own way),
+    once it has ended; its next try re-sends what its operator re-sends."""
+    from airflow.models.taskinstance import TaskInstance, clear_task_instances
+    from airflow.utils.session import create_session
+    from airflow.utils.state import State
+
+    dag_id, run_id, task_id = row["dag_id"], row["run_id"], row["task_id"]
+    name = f"task instance {dag_id}/{run_id}/{task_id}"
+    with create_session() as session:
+        tis = list(
+            session.scalars(
+                sa.select(TaskInstance).where(
+                    TaskInstance.dag_id == dag_id,
+                    TaskInstance.run_id == run_id,
+                    TaskInstance.task_id == task_id,
+                )
+            )
+        )
+        if not tis:
+            raise HTTPException(status.HTTP_409_CONFLICT, f"{name}: no such task instance")
+        unfinished = sorted({str(ti.state) for ti in tis if ti.state not in State.finished})
+        if unfinished:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                f"{name} is {', '.join(unfinished)}: it is retried once it has ended (its "
+                "own retries may send the task again meanwhile)",
+            )
+        clear_task_instances(tis, session)
+    return "cleared", (
+        f"{name} was cleared: Airflow runs it again, and its operator sends again what "
+        "its retry_failed_only setting says"
+    )
+
+
+def _audited(
+    user: BaseUser, action: str, row: Mapping[str, Any], outcome: str, message: str
+) -> dict[str, Any]:
+    """The action's answer, once it is in Airflow's audit log (as Airflow's own actions
+    are: a ``Log`` row naming the user)."""
+    from airflow.models.log import Log
+    from airflow.utils.session import create_session
+
+    answer = {"log_id": row["log_id"], "action": action, "outcome": outcome, "message": message}
+    with create_session() as session:
+        session.add(
+            Log(
+                event=f"scheduler_lib_{action}_task",
+                owner=user.get_name(),
+                owner_display_name=user.get_name(),
+                dag_id=row.get("dag_id"),
+                run_id=row.get("run_id"),
+                task_id=row.get("task_id"),
+                extra=json.dumps(answer),
+            )
+        )
+    return answer
 
 
 def _team_names(dag_ids: Iterable[str]) -> dict[str, str | None]:
@@ -350,21 +526,21 @@ def _page(request: Request, fixed: tuple[str, str] | None) -> HTMLResponse:
     """
     base = request.scope.get("root_path", "").rstrip("/")
     query = request.query_params
+    filters: dict[str, Any] = {k: query.get(k, "") for k in PAGE_FILTERS}
+    filters["failed"] = query.get("failed", "").lower() in ("1", "true", "yes", "on")
     if fixed is None:
         title, subtitle = "Execution Status", "scheduler_lib: what runs now and what ran"
         api = f"{base}/api/snapshot"
-        filters = {k: query.get(k, "") for k in ("scheduler_handle", "dag_id", "run_id")}
     else:
         dag_id, run_id = fixed
         title, subtitle = "Execution Status", f"{dag_id} / {run_id}"
         api = f"{base}/api/dags/{_quote(dag_id)}/runs/{_quote(run_id)}/snapshot"
-        filters = {
-            "scheduler_handle": query.get("scheduler_handle", ""),
-            "dag_id": dag_id,
-            "run_id": run_id,
-        }
+        filters.update(dag_id=dag_id, run_id=run_id)
     settings = {
         "api": api,
+        "actions": f"{base}/api/tasks",
+        # Airflow's UI, for links to task instances: where the api-server mounted us.
+        "airflowBase": base[: -len(URL_PREFIX)] if base.endswith(URL_PREFIX) else "",
         "fixedRun": fixed is not None,
         "filters": filters,
         "limit": _int(query.get("limit"), monitor.DEFAULT_LIMIT, 1, monitor.MAX_LIMIT),

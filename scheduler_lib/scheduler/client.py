@@ -404,6 +404,58 @@ class TaskScheduler:
 
         return self.broker.retrying(cancel, what="cancel")
 
+    def cancel_task(self, log_id: int, reason: str = "cancelled") -> str:
+        """Cancel one task of the log, whichever scheduler sent it (the Execution Status
+        page's action): a task that has not started will not run (the executor answers it
+        ``CANCELLED`` when it takes its message), the worker running a started one is
+        asked to stop it (within about a second; it answers ``CANCELLED``).
+
+        :param log_id: the task's ``execution_log.log_id``
+        :param reason: what its row's error (or cancel reason) will say
+        :return: ``"cancelled"`` (it had not started), ``"stopping"`` (its worker was
+            asked to stop it, now or before), or the status it had already ended with
+            (nothing was done)
+        :raises InvalidArgument: for a log id that is no row of the log
+        """
+        log_id = checks.positive_int(log_id, "log_id")
+
+        def cancel() -> str:
+            with self.broker.transaction() as tx:
+                now = time.time()
+                if tx.run("log_cancel_queued_task", log_id=log_id, reason=reason, now=now):
+                    return "cancelled"
+                tx.run("log_cancel_running_task", log_id=log_id, reason=reason, now=now)
+                row = tx.fetch_one("log_get", log_id=log_id)
+            if row is None:
+                raise InvalidArgument(f"log id {log_id}: no such row in execution_log")
+            return "stopping" if row["status"] not in ENDED else str(row["status"])
+
+        return self.broker.retrying(cancel, what="cancel")
+
+    def resend_task(self, log_id: int) -> int:
+        """Send a task of the log that failed (or was cancelled) again, the same body in
+        the same wave, on the scheduler that sent it (the Execution Status page's retry of
+        a task sent outside Airflow): the scheduler's owner receives its completion as of
+        any task it sent.
+
+        :param log_id: the task's ``execution_log.log_id``
+        :return: the new task's ``log_id``
+        :raises InvalidArgument: for a log id that is no row of the log, or a task that
+            has not ended or succeeded
+        :raises SchedulerEnded: when its scheduler's conversation is gone or ended
+        """
+        log_id = checks.positive_int(log_id, "log_id")
+        rows = self.broker.fetch("log_get", log_id=log_id)
+        if not rows:
+            raise InvalidArgument(f"log id {log_id}: no such row in execution_log")
+        row = rows[0]
+        if row["status"] not in (FAILED, CANCELLED):
+            raise InvalidArgument(
+                f"log id {log_id} is {row['status']}: only a failed or cancelled task is sent again"
+            )
+        handle = self.attach(row["scheduler_handle"])
+        return self.exec_async(handle, json.loads(row["task_body"]), wave=row["wave"])
+
     def log(self, handle: SchedulerHandle | uuid.UUID | str) -> list[Mapping[str, Any]]:
         """The scheduler's ``execution_log`` rows, in the order they were sent (``handle``
         may be the conversation handle, e.g. ``RunReport.scheduler_handle``)."""

@@ -145,7 +145,7 @@ const problem = document.getElementById("problem");
 return {
   updated: document.getElementById("updated").textContent,
   log: rows.map((r) => ({status: r.dataset.status,
-                         task: r.querySelector("td.task-name").textContent})),
+                         task: r.querySelector("td.task-name .name").textContent})),
   running: [...document.querySelectorAll("#running tbody tr")].filter((r) => r.dataset.logId)
     .length,
   bars: document.querySelectorAll("#timeline rect.bar").length,

@@ -15,6 +15,7 @@ own auth manager (the simple one) signing the JWTs the tests present. What it pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -127,6 +128,85 @@ def test_bad_filters_are_refused_with_a_reason(broker: Broker) -> None:
             monitor.execution_log(broker, limit=limit)
 
 
+def test_execution_log_filters_failed_target_kind_and_time(broker: Broker) -> None:
+    # Given two targets, each sent an sql and a python task, and one task of each failed
+    init(
+        broker,
+        targets=[
+            Target(activation=False),
+            Target(service="Reports", queue="ReportsQueue", activation=False),
+        ],
+    )
+    sent: dict[tuple[str, str], int] = {}
+    for target in ("ServiceAsyncTarget", "Reports"):
+        scheduler = TaskScheduler(broker, target=target)
+        handle = scheduler.get_scheduler()
+        sent[target, "sql"] = scheduler.exec_async(handle, Task.sql("SELECT 1", name="q"))
+        sent[target, "python"] = scheduler.exec_async(handle, Task.python("time:sleep", 0))
+    for log_id in (sent["ServiceAsyncTarget", "python"], sent["Reports", "sql"]):
+        broker.run("log_fail", log_id=log_id, error="boom\nline 2", now=time.time())
+
+    def log(**filters: Any) -> list[int]:
+        return ids(monitor.execution_log(broker, monitor.Filters.of(**filters)))
+
+    # When the page filters, then each filter narrows the rows (and combines with others)
+    failed = [sent["Reports", "sql"], sent["ServiceAsyncTarget", "python"]]
+    assert log(failed=True) == failed
+    assert log(target="Reports") == [sent["Reports", "python"], sent["Reports", "sql"]]
+    assert log(kind="sql") == [sent["Reports", "sql"], sent["ServiceAsyncTarget", "sql"]]
+    assert log(failed=True, kind="sql") == [sent["Reports", "sql"]]
+    assert log(failed=True, target="ServiceAsyncTarget") == [sent["ServiceAsyncTarget", "python"]]
+    handle = monitor.task(broker, sent["Reports", "sql"])
+    assert handle is not None and handle["error"] == "boom\nline 2"
+    assert log(failed=True, scheduler_handle=handle["scheduler_handle"]) == [sent["Reports", "sql"]]
+    # A time range of sent_at: [since, until)
+    times = {i: monitor.task(broker, i)["sent_at"] for i in sent.values()}  # type: ignore[index]
+    newest = max(sent.values())
+    assert log(since=times[newest]) == [i for i in ids_desc(sent) if times[i] >= times[newest]]
+    assert newest not in log(until=times[newest])
+    assert log(since=0, until=times[newest] + 1) == ids_desc(sent)
+    for bad, says in (
+        ({"since": "yesterday"}, "since must be a time in seconds"),
+        ({"until": "-1"}, "until must be a time in seconds"),
+        ({"since": 5, "until": 5}, "the time range is empty"),
+    ):
+        with pytest.raises(InvalidArgument, match=says):
+            monitor.Filters.of(**bad)
+
+
+def ids_desc(sent: dict[Any, int]) -> list[int]:
+    return sorted(sent.values(), reverse=True)
+
+
+def test_snapshot_limit_counts_the_rows_the_user_may_see(broker: Broker) -> None:
+    sent = send_rows(broker)
+    # Given a user who may not see DAG "other" (whose rows are among the newest)
+    visible = lambda row: row["dag_id"] != "other"  # noqa: E731
+    # When they ask for 6 rows, then they get 6 they may see: the log is read on
+    data = monitor.snapshot(broker, limit=6, visible=visible)
+    assert ids(data["log"]) == (sent.log_ids["etl-2"] + sent.log_ids["plain"])[::-1]
+    assert data["complete"] is True
+    # And when too few are visible within the reads a refresh may make, it says so
+    nothing = monitor.snapshot(broker, limit=1, visible=lambda row: False)
+    assert nothing["log"] == [] and nothing["complete"] is False
+    everything = monitor.snapshot(broker, limit=100, visible=lambda row: False)
+    assert everything["log"] == [] and everything["complete"] is True
+
+
+def test_cancel_task_cancels_one_queued_task_only(broker: Broker) -> None:
+    sent = send_rows(broker)
+    scheduler = TaskScheduler(broker)
+    first, second, _ = sent.log_ids["plain"]
+    # When one queued task is cancelled, then it alone is, once
+    assert scheduler.cancel_task(first, "not needed") == "cancelled"
+    rows = {r["log_id"]: r for r in scheduler.log(sent.handles["plain"])}
+    assert (rows[first]["status"], rows[first]["error"]) == ("CANCELLED", "not needed")
+    assert rows[second]["status"] == "QUEUED"
+    assert scheduler.cancel_task(first) == "CANCELLED"  # ended already: nothing done
+    with pytest.raises(InvalidArgument, match="no such row"):
+        scheduler.cancel_task(10**9)
+
+
 def test_execution_status_shows_the_running_task_of_a_run(broker: Broker) -> None:
     init(broker, targets=[Target(max_readers=1)])
     context = {"dag_id": "etl", "run_id": RUN_1, "task_id": "exec_async_1"}
@@ -156,6 +236,8 @@ def test_execution_status_shows_the_running_task_of_a_run(broker: Broker) -> Non
 # Each filter shape, with the indexes that can serve it (the planner picks one).
 BY_HANDLE = ("ix_execution_log_scheduler",)
 BY_RUN = ("ix_execution_log_airflow",)
+BY_FAILED = ("ix_execution_log_failed",)
+NARROWED = {"target": "t", "kind": "sql", "since": 1.0, "until": 2e9}
 INDEXED_QUERIES = {
     "monitor_log_of_scheduler": ({"handle": "h"}, BY_HANDLE),
     "monitor_log_of_scheduler_in_dag": ({"handle": "h", "dag_id": "d"}, BY_HANDLE + BY_RUN),
@@ -165,6 +247,12 @@ INDEXED_QUERIES = {
     ),
     "monitor_log_of_dag": ({"dag_id": "d"}, BY_RUN),
     "monitor_log_of_run": ({"dag_id": "d", "run_id": "r"}, BY_RUN),
+    "monitor_log_failed": ({"handle": None, "dag_id": None, "run_id": None}, BY_FAILED),
+    "monitor_log_failed in a run": (
+        {"handle": None, "dag_id": "d", "run_id": "r"},
+        BY_FAILED + BY_RUN,
+    ),
+    "monitor_log_of_run narrowed": ({"dag_id": "d", "run_id": "r", **NARROWED}, BY_RUN),
 }
 
 
@@ -172,7 +260,8 @@ INDEXED_QUERIES = {
 def test_filtered_log_queries_read_an_index(broker: Broker, query: str) -> None:
     send_rows(broker)
     params, indexes = INDEXED_QUERIES[query]
-    sql = broker_queries.for_dialect(broker.dialect, "scheduler_lib.scheduler")[query]
+    params = {"before": 2**63 - 1, **dict.fromkeys(NARROWED), **params, "limit": 9}
+    sql = broker_queries.for_dialect(broker.dialect, "scheduler_lib.scheduler")[query.split()[0]]
     engine = sa.create_engine(broker.url)
     try:
         with engine.connect() as conn:
@@ -181,17 +270,11 @@ def test_filtered_log_queries_read_an_index(broker: Broker, query: str) -> None:
                 # whether an index can serve the query at all (a plan without one still
                 # shows "Seq Scan", with a prohibitive cost).
                 conn.exec_driver_sql("SET enable_seqscan = off")
-                plan = "\n".join(
-                    r[0]
-                    for r in conn.execute(sa.text(f"EXPLAIN {sql.text}"), {**params, "limit": 9})
-                )
+                plan = "\n".join(r[0] for r in conn.execute(sa.text(f"EXPLAIN {sql.text}"), params))
                 assert "Seq Scan" not in plan, plan
             else:
                 plan = "\n".join(
-                    r[-1]
-                    for r in conn.execute(
-                        sa.text(f"EXPLAIN QUERY PLAN {sql.text}"), {**params, "limit": 9}
-                    )
+                    r[-1] for r in conn.execute(sa.text(f"EXPLAIN QUERY PLAN {sql.text}"), params)
                 )
                 assert "SCAN execution_log" not in plan, plan
     finally:
@@ -246,8 +329,9 @@ def ui_broker(scheduler_lib_conn: str, api_server: Any) -> Iterator[tuple[Broker
         broker.close()
 
 
-def plugin_paths(api_server: Any) -> list[str]:
-    """A concrete URL for every route of the plugin's app, as the api-server mounts it."""
+def plugin_paths(api_server: Any) -> list[tuple[str, str]]:
+    """The method and a concrete URL of every route of the plugin's app, as the
+    api-server mounts it."""
     from fastapi import FastAPI
     from fastapi.routing import APIRoute
     from starlette.routing import Mount
@@ -258,8 +342,11 @@ def plugin_paths(api_server: Any) -> list[str]:
     for route in mount.app.routes:
         assert isinstance(route, APIRoute), route
         path = route.path.replace("{run_id:path}", "{run_id}")
-        path = path.format(dag_id="etl", run_id=urllib.parse.quote(RUN_1, safe=""), name="page.js")
-        paths.append(PREFIX + path)
+        path = path.format(
+            dag_id="etl", run_id=urllib.parse.quote(RUN_1, safe=""), name="page.js", log_id=10**9
+        )
+        (method,) = route.methods
+        paths.append((method, PREFIX + path))
     return paths
 
 
@@ -270,18 +357,20 @@ def test_every_route_of_the_plugin_refuses_an_anonymous_request(
 
     browser = TestClient(api_server.app, cookies={"_token": token_for("admin")})
     paths = plugin_paths(api_server)
-    assert len(paths) == 5, paths  # page, run page, two snapshots, static
-    for path in paths:
-        anonymous = api_server.get(path)
+    # page, run page, two snapshots, static, cancel, retry
+    assert len(paths) == 7, paths
+    for method, path in paths:
+        anonymous = api_server.request(method, path)
         assert anonymous.status_code == 401, (path, anonymous.text)
         assert anonymous.json() == {"detail": "Not authenticated"}
         # Not any token: one Airflow did not sign is refused as well.
-        forged = api_server.get(path, headers={"Authorization": "Bearer not.a.jwt"})
+        forged = api_server.request(method, path, headers={"Authorization": "Bearer not.a.jwt"})
         assert forged.status_code in (401, 403), (path, forged.status_code)
-        # The same route with a login answers.
-        assert api_server.get(path, headers=admin).status_code == 200, path
+        # The same route with a login answers (the actions: no such row).
+        answers = 404 if method == "POST" else 200
+        assert api_server.request(method, path, headers=admin).status_code == answers, path
         # Airflow's UI holds the JWT in a cookie, which the page's requests carry.
-        assert browser.get(path).status_code == 200, path
+        assert browser.request(method, path).status_code == answers, path
 
 
 def test_snapshot_shows_the_rows_filtered(
@@ -305,6 +394,17 @@ def test_snapshot_shows_the_rows_filtered(
     assert refused.status_code == 400 and "needs dag_id" in refused.json()["detail"]
     too_many = api_server.get(f"{PREFIX}/api/snapshot", params={"limit": 10**6}, headers=admin)
     assert too_many.status_code == 422
+    # The triage filters, and bad ones named in one line
+    assert log(failed="true") == []
+    assert log(target="ServiceAsyncTarget", kind="sql", since="0") == everything
+    assert log(since=str(time.time() + 3600)) == []
+    for params, says in (
+        ({"since": "yesterday"}, "since must be a time in seconds since the epoch"),
+        ({"since": "10", "until": "5"}, "the time range is empty"),
+    ):
+        bad = api_server.get(f"{PREFIX}/api/snapshot", params=params, headers=admin)
+        assert bad.status_code == 400 and says in bad.json()["detail"], bad.text
+        assert "\n" not in bad.json()["detail"]
 
 
 def test_run_tab_shows_only_its_run(
@@ -314,7 +414,11 @@ def test_run_tab_shows_only_its_run(
     run = urllib.parse.quote(RUN_1, safe="")
     data = api_server.get(f"{PREFIX}/api/dags/etl/runs/{run}/snapshot", headers=admin).json()
     assert ids(data["log"]) == sent.log_ids["etl-1"][::-1]
-    assert data["filters"] == {"scheduler_handle": None, "dag_id": "etl", "run_id": RUN_1}
+    assert data["filters"] == {
+        **dataclasses.asdict(monitor.Filters()),
+        "dag_id": "etl",
+        "run_id": RUN_1,
+    }
 
     page = api_server.get(f"{PREFIX}/dags/etl/runs/{run}", headers=admin)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -497,3 +601,130 @@ def test_airflow_lists_the_page_and_the_run_tab(api_server: Any, admin: dict[str
     assert views["dag_run"]["url_route"] == "execution-status-run"
     icon = api_server.get(views["nav"]["icon"], headers=admin)
     assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+
+
+# --- actions: cancel and retry ------------------------------------------------------------
+
+
+def bearer(role: str | None, name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token_for(role, name)}"}
+
+
+def audit_rows(event: str, owner: str) -> list[Any]:
+    """Airflow's audit log rows of an event by a user."""
+    from airflow.models.log import Log
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        rows = session.scalars(sa.select(Log).where(Log.event == event, Log.owner == owner))
+        return [(r.dag_id, r.run_id, r.task_id, json.loads(r.extra)) for r in rows]
+
+
+def test_cancel_needs_edit_permission_and_is_audited(
+    api_server: Any, ui_broker: tuple[Broker, Sent]
+) -> None:
+    broker, sent = ui_broker
+    etl_task, plain_task = sent.log_ids["etl-1"][0], sent.log_ids["plain"][0]
+    viewer, user = bearer("viewer", "vera"), bearer("user", "ulla")
+    op = bearer("op", f"olga-{secrets.token_hex(3)}")
+
+    def cancel(log_id: int, headers: dict[str, str]) -> Any:
+        return api_server.post(f"{PREFIX}/api/tasks/{log_id}/cancel", headers=headers)
+
+    # Given a viewer (reads DAGs, edits nothing): the page shows them no action, and
+    # cancel and retry are refused with a reason
+    rows = api_server.get(f"{PREFIX}/api/snapshot", headers=viewer).json()["log"]
+    assert rows and not any(r["editable"] for r in rows)
+    for action in ("cancel", "retry"):
+        refused = api_server.post(f"{PREFIX}/api/tasks/{etl_task}/{action}", headers=viewer)
+        assert refused.status_code == 403, refused.text
+        assert "edit access to DAG 'etl'" in refused.json()["detail"]
+    # A user may edit DAGs' task instances, not a row sent outside Airflow
+    editable = {
+        r["log_id"]: r["editable"]
+        for r in api_server.get(f"{PREFIX}/api/snapshot", headers=user).json()["log"]
+    }
+    assert editable[etl_task] and not editable[plain_task]
+    refused = cancel(plain_task, user)
+    assert refused.status_code == 403 and "configuration" in refused.json()["detail"]
+    assert monitor.task(broker, plain_task)["status"] == "QUEUED"  # type: ignore[index]
+    assert monitor.task(broker, etl_task)["status"] == "QUEUED"  # type: ignore[index]
+
+    # When an op (who may edit the configuration too) cancels both
+    for log_id in (etl_task, plain_task):
+        done = cancel(log_id, op)
+        # Then each is cancelled, says so, and Airflow's audit log names who did it
+        assert done.status_code == 200, done.text
+        assert done.json()["outcome"] == "cancelled"
+        assert "will not run" in done.json()["message"]
+        row = monitor.task(broker, log_id)
+        assert row is not None and row["status"] == "CANCELLED"
+        assert row["error"].startswith("cancelled by olga-")
+    audited = audit_rows("scheduler_lib_cancel_task", token_owner(op))
+    assert [(d, r, t, e["log_id"], e["outcome"]) for d, r, t, e in audited] == [
+        ("etl", RUN_1, "exec_async_1", etl_task, "cancelled"),
+        (None, None, None, plain_task, "cancelled"),
+    ]
+    # Bad input: one line each
+    again = cancel(etl_task, op)
+    assert again.status_code == 200 and again.json()["outcome"] == "CANCELLED"
+    assert "nothing was done" in again.json()["message"]
+    assert cancel(10**9, op).status_code == 404
+    assert cancel(0, op).status_code == 422
+    assert api_server.post(f"{PREFIX}/api/tasks/x/cancel", headers=op).status_code == 422
+    assert api_server.post(f"{PREFIX}/api/tasks/{etl_task}/cancel").status_code == 401
+
+
+def token_owner(headers: dict[str, str]) -> str:
+    """The user name a test's bearer token was made for."""
+    import base64
+
+    payload = headers["Authorization"].split(".")[1]
+    return str(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["sub"])
+
+
+def test_retry_sends_a_task_sent_outside_airflow_again(
+    api_server: Any, ui_broker: tuple[Broker, Sent]
+) -> None:
+    broker, sent = ui_broker
+    admin_name = f"ada-{secrets.token_hex(3)}"
+    admin = bearer("admin", admin_name)
+    failed, queued = sent.log_ids["plain"][0], sent.log_ids["plain"][1]
+    broker.run("log_fail", log_id=failed, error="boom", now=time.time())
+
+    def retry(log_id: int) -> Any:
+        return api_server.post(f"{PREFIX}/api/tasks/{log_id}/retry", headers=admin)
+
+    # A task that has not ended is not retried
+    refused = retry(queued)
+    assert refused.status_code == 409 and "is QUEUED" in refused.json()["detail"]
+    # When the failed task of an open scheduler is retried
+    done = retry(failed)
+    assert done.status_code == 200, done.text
+    # Then it was sent again on its scheduler, as a new row of the same task
+    assert done.json()["outcome"] == "resent"
+    (new_id,) = {r["log_id"] for r in TaskScheduler(broker).log(sent.handles["plain"])} - set(
+        sent.log_ids["plain"]
+    )
+    assert f"as log id {new_id}" in done.json()["message"]
+    old, new = monitor.task(broker, failed), monitor.task(broker, new_id)
+    assert old is not None and new is not None
+    assert (new["task_name"], new["status"], new["scheduler_handle"], new["wave"]) == (
+        old["task_name"],
+        "QUEUED",
+        old["scheduler_handle"],
+        old["wave"],
+    )
+    (audited,) = audit_rows("scheduler_lib_retry_task", admin_name)
+    assert audited[3]["log_id"] == failed and audited[3]["outcome"] == "resent"
+    # When its scheduler has been released, a retry is refused, saying why
+    scheduler = TaskScheduler(broker)
+    scheduler.release_scheduler(scheduler.attach(sent.handles["plain"]))
+    gone = retry(failed)
+    assert gone.status_code == 409, gone.text
+    assert "cannot be sent again" in gone.json()["detail"]
+    # A row an Airflow task sent is retried by clearing its task instance: none here
+    etl_failed = sent.log_ids["etl-1"][0]
+    broker.run("log_fail", log_id=etl_failed, error="boom", now=time.time())
+    missing = retry(etl_failed)
+    assert missing.status_code == 409 and "no such task instance" in missing.json()["detail"]

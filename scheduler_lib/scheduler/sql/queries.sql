@@ -127,6 +127,17 @@ FROM execution_log
 WHERE scheduler_handle = :handle AND log_id BETWEEN :first AND :last
 ORDER BY log_id;
 
+-- name: log_cancel_queued_task
+-- The Execution Status page's cancel of one task that has not started: it will not run
+-- (the executor answers it CANCELLED when it takes its message).
+UPDATE execution_log SET status = 'CANCELLED', end_time = :now, error = :reason
+WHERE log_id = :log_id AND status = 'QUEUED';
+
+-- name: log_cancel_running_task
+-- The Execution Status page's cancel of one running task: its worker is asked to stop it.
+UPDATE execution_log SET cancel_requested_at = :now, cancel_reason = :reason
+WHERE log_id = :log_id AND status = 'RUNNING' AND cancel_requested_at IS NULL;
+
 -- name: log_recent
 -- The most recent rows of the log.
 SELECT * FROM execution_log ORDER BY log_id DESC LIMIT :limit;
@@ -182,17 +193,26 @@ SELECT * FROM semaphore_holders WHERE semaphore_name = :name ORDER BY acquired_a
 -- ---------------------------------------------------------------------------------------
 -- The Execution Status page (scheduler_lib.scheduler.monitor): the log's rows for a
 -- screen, newest first, without task bodies and results (they can be large). One query
--- per filter shape, so each one uses an index: by scheduler the scheduler's index
--- (scheduler_handle, log_id), by DAG or run the Airflow index (dag_id, run_id, log_id),
--- unfiltered the primary key.
+-- per filter shape, so each one walks an index newest first and stops at :limit: by
+-- scheduler the scheduler's index (scheduler_handle, log_id), by DAG or run the Airflow
+-- index (dag_id, run_id, log_id), failed rows their partial index, unfiltered the primary
+-- key. Every shape takes the same narrowing filters (target, kind, a time range of
+-- sent_at; NULL: any) and :before, the log id to continue below (the page reads on when
+-- the user may see too few of the rows read).
 -- ---------------------------------------------------------------------------------------
 
 -- name: monitor_log_recent
--- The newest rows of the log.
+-- The newest rows of the log (the primary key).
 SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
     worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
     end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
 FROM execution_log
+WHERE 1 = 1
+AND log_id < :before
+AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
+AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
+AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
+AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
 ORDER BY log_id DESC LIMIT :limit;
 
 -- name: monitor_log_of_scheduler
@@ -202,6 +222,11 @@ SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, tas
     end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
 FROM execution_log
 WHERE scheduler_handle = :handle
+AND log_id < :before
+AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
+AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
+AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
+AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
 ORDER BY log_id DESC LIMIT :limit;
 
 -- name: monitor_log_of_dag
@@ -211,6 +236,11 @@ SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, tas
     end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
 FROM execution_log
 WHERE dag_id = :dag_id
+AND log_id < :before
+AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
+AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
+AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
+AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
 ORDER BY log_id DESC LIMIT :limit;
 
 -- name: monitor_log_of_run
@@ -220,6 +250,11 @@ SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, tas
     end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
 FROM execution_log
 WHERE dag_id = :dag_id AND run_id = :run_id
+AND log_id < :before
+AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
+AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
+AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
+AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
 ORDER BY log_id DESC LIMIT :limit;
 
 -- name: monitor_log_of_scheduler_in_dag
@@ -229,6 +264,11 @@ SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, tas
     end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
 FROM execution_log
 WHERE scheduler_handle = :handle AND dag_id = :dag_id
+AND log_id < :before
+AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
+AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
+AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
+AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
 ORDER BY log_id DESC LIMIT :limit;
 
 -- name: monitor_log_of_scheduler_in_run
@@ -238,7 +278,38 @@ SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, tas
     end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
 FROM execution_log
 WHERE scheduler_handle = :handle AND dag_id = :dag_id AND run_id = :run_id
+AND log_id < :before
+AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
+AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
+AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
+AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
 ORDER BY log_id DESC LIMIT :limit;
+
+-- name: monitor_log_failed
+-- The newest failed rows, any other filter applied on the way (the failed rows'
+-- partial index: failures are few, so walking them all is cheap).
+SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
+    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
+    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
+FROM execution_log
+WHERE status = 'FAILED'
+AND (CAST(:handle AS VARCHAR(36)) IS NULL OR scheduler_handle = :handle)
+AND (CAST(:dag_id AS VARCHAR(250)) IS NULL OR dag_id = :dag_id)
+AND (CAST(:run_id AS VARCHAR(250)) IS NULL OR run_id = :run_id)
+AND log_id < :before
+AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
+AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
+AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
+AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
+ORDER BY log_id DESC LIMIT :limit;
+
+-- name: monitor_task
+-- One row, as the page shows it (before the page acts on it).
+SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
+    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
+    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
+FROM execution_log
+WHERE log_id = :log_id;
 
 -- name: metrics_tasks_open
 -- /metrics: tasks queued or running, by status, kind and target (the open rows' index).
