@@ -93,6 +93,26 @@ STATIC_FILES = {  # name -> media type: the only files the static route serves
 # Airflow's dependencies. Sync routes: FastAPI runs them in its thread pool, so database
 # work does not block the api-server's event loop.
 Authenticated = Depends(requires_authenticated())
+# The header the page's actions send: a cross-site form or image cannot set one (a
+# script on another origin would need CORS, which the api-server does not grant).
+ACTION_HEADER = "X-Scheduler-Lib-Action"
+
+
+def from_the_page(request: Request) -> None:
+    """An action authenticated by the UI's cookie came from the page itself: it carries
+    :data:`ACTION_HEADER` (the cookie alone would let another site's form post it — a
+    cross-site request forgery). A request with its own ``Authorization`` header (a
+    script, the REST way) needs none."""
+    if "authorization" in request.headers or request.headers.get(ACTION_HEADER) == "1":
+        return
+    raise HTTPException(
+        status.HTTP_403_FORBIDDEN,
+        f"an action needs the {ACTION_HEADER}: 1 header (the page sends it) or an "
+        "Authorization header",
+    )
+
+
+FromThePage = Depends(from_the_page)
 CanReadRun = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
 Limit = Annotated[int, Query(ge=1, le=monitor.MAX_LIMIT)]
 LogId = Annotated[int, Path(ge=1, le=monitor.LAST_LOG_ID)]
@@ -307,7 +327,7 @@ def create_app() -> FastAPI:
             data = monitor.snapshot(broker, filters, limit=limit)
         return _with_actions(data, user)
 
-    @app.post("/api/tasks/{log_id}/cancel", dependencies=[Authenticated])
+    @app.post("/api/tasks/{log_id}/cancel", dependencies=[Authenticated, FromThePage])
     def cancel_task(broker: BrokerDep, user: GetUserDep, log_id: LogId) -> dict[str, Any]:
         """Cancel one task: it will not run, or its worker is asked to stop it."""
         row = _editable_row(broker, user, log_id)
@@ -319,7 +339,7 @@ def create_app() -> FastAPI:
         }.get(outcome, f"log id {log_id} had ended already ({outcome}): nothing was done")
         return _audited(user, "cancel", row, outcome, message)
 
-    @app.post("/api/tasks/{log_id}/retry", dependencies=[Authenticated])
+    @app.post("/api/tasks/{log_id}/retry", dependencies=[Authenticated, FromThePage])
     def retry_task(broker: BrokerDep, user: GetUserDep, log_id: LogId) -> dict[str, Any]:
         """Retry one failed (or cancelled) task: clear its Airflow task instance, or send
         it again on its scheduler when it was sent outside Airflow."""

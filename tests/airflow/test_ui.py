@@ -673,6 +673,20 @@ def test_cancel_needs_edit_permission_and_is_audited(
     assert cancel(0, op).status_code == 422
     assert api_server.post(f"{PREFIX}/api/tasks/x/cancel", headers=op).status_code == 422
     assert api_server.post(f"{PREFIX}/api/tasks/{etl_task}/cancel").status_code == 401
+    # A logged-in browser's cookie alone does not act: another site's form could post
+    # it (a cross-site request forgery); the page's own request carries its header
+    from fastapi.testclient import TestClient
+
+    from scheduler_lib.airflow import ui
+
+    browser = TestClient(api_server.app, cookies={"_token": token_for("op", "otto")})
+    forged = browser.post(f"{PREFIX}/api/tasks/{plain_task}/retry")
+    assert forged.status_code == 403, forged.text
+    assert ui.ACTION_HEADER in forged.json()["detail"]
+    from_page = browser.post(
+        f"{PREFIX}/api/tasks/{plain_task}/retry", headers={ui.ACTION_HEADER: "1"}
+    )
+    assert from_page.status_code == 200, from_page.text
 
 
 def token_owner(headers: dict[str, str]) -> str:

@@ -326,7 +326,8 @@
       const response = await fetch(`${settings.actions}/${r.log_id}/${action}`, {
         method: "POST",
         credentials: "same-origin",
-        headers: { Accept: "application/json" },
+        // the server refuses a cookie-authenticated action without it (forgery)
+        headers: { Accept: "application/json", "X-Scheduler-Lib-Action": "1" },
       });
       const text = await response.text();
       let detail = text;
