@@ -111,6 +111,12 @@ def test_spark_sql_runs_statements_in_order_and_returns_the_last_ones_rows(
     assert reader.startswith("reader-QueueAsyncTarget-")
     # The job ran in the task's group (the status tracker knows the group's jobs).
     assert spark.sparkContext.statusTracker().getJobIdsForGroup(row["spark_job_group"])
+    # The Execution Status page's Spark link (the UI's Jobs page) resolves on the live
+    # application, and that page labels the task's jobs with its group
+    link = row["spark_ui_url"].rstrip("/") + "/jobs/"
+    with urllib.request.urlopen(link, timeout=30) as response:
+        assert response.status == 200
+        assert f"({row['spark_job_group']})" in response.read().decode()
 
 
 def test_spark_sql_writes_its_output_and_a_later_wave_reads_it(
