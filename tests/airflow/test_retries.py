@@ -376,6 +376,7 @@ def statsd(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
     )
     from airflow.sdk.observability import stats
 
+    pytest.importorskip("statsd", reason="Airflow's StatsD client (apache-airflow[statsd])")
     server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     server.bind(("127.0.0.1", 0))
     monkeypatch.setenv("AIRFLOW__METRICS__STATSD_ON", "True")
