@@ -373,7 +373,8 @@ def test_the_page_serves_triage_in_a_browser(
         refused = driver.execute_async_script(
             """const done = arguments[arguments.length - 1];
             const settings = JSON.parse(document.getElementById("settings").textContent);
-            fetch(`${settings.actions}/${arguments[0]}/retry`, {method: "POST"})
+            fetch(`${settings.actions}/${arguments[0]}/retry`,
+                  {method: "POST", headers: {"X-Scheduler-Lib-Action": "1"}})
               .then(async (r) => done([r.status, await r.text()]));""",
             failing,
         )
