@@ -50,6 +50,7 @@ from scheduler_lib.scheduler import (
     TaskScheduler,
     WaveFailed,
     WaveProgress,
+    monitor,
 )
 from scheduler_lib.scheduler.kinds import as_task
 
@@ -170,7 +171,16 @@ def earlier_successes(
     ids = airflow_ids(context)
     if handles is None:
         rows = scheduler.broker.fetch(
-            "monitor_log_of_run", dag_id=ids["dag_id"], run_id=ids["run_id"], limit=RUN_ROWS
+            "monitor_log_of_run",
+            dag_id=ids["dag_id"],
+            run_id=ids["run_id"],
+            limit=RUN_ROWS,
+            # the whole run: no page, no narrowing (the Execution Status page's filters)
+            before=monitor.LAST_LOG_ID,
+            target=None,
+            kind=None,
+            since=None,
+            until=None,
         )
         handles = sorted({r["scheduler_handle"] for r in rows if r["task_id"] == ids["task_id"]})
     found = [

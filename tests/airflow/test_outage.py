@@ -57,7 +57,7 @@ from scheduler_lib.airflow import (
     ui,
 )
 from scheduler_lib.broker import Broker
-from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
+from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init, monitor
 
 pytestmark = pytest.mark.postgres
 
@@ -602,7 +602,8 @@ def test_ordered_waves_finish_a_plan_through_a_restart_in_the_middle_of_a_wave(
 
 def _plan_rows(broker: Broker) -> list[Any]:
     """The rows of the tasks the plan sent (its DAG's), oldest first."""
-    return broker.fetch("monitor_log_of_dag", dag_id="outage_dag", limit=100)[::-1]
+    rows = monitor.execution_log(broker, monitor.Filters(dag_id="outage_dag"), limit=100)
+    return rows[::-1]
 
 
 def _hooks_broker() -> Broker:
