@@ -75,10 +75,16 @@ def test_killing_either_broker_mid_run_loses_and_duplicates_nothing(
     total = CONVERSATIONS * PER_CONVERSATION
     handles = [a.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(CONVERSATIONS)]
     failures: list[BaseException] = []
+    b_killed = threading.Event()
 
     def send() -> None:  # ten messages per conversation at a time, round after round
         try:
             for start in range(0, PER_CONVERSATION, 10):
+                if start >= PER_CONVERSATION * 6 // 10:
+                    # The last rounds wait for B's kill, so that both kills fall mid-run
+                    # however fast the first rounds went through (a loaded machine's
+                    # polls of B's queue could otherwise see the last of them arrive).
+                    b_killed.wait(180)
                 for n, handle in enumerate(handles):
                     a.send_many(handle, REQUEST, [f"{n}:{i}" for i in range(start, start + 10)])
         except BaseException as exc:
@@ -87,7 +93,7 @@ def test_killing_either_broker_mid_run_loses_and_duplicates_nothing(
     def arrived() -> int:
         return len(b.peek(B_QUEUE))
 
-    sender = threading.Thread(target=send)
+    sender = threading.Thread(target=send, daemon=True)
     sender.start()
     # Given messages flowing, when A's process is killed and restarted
     poll(lambda: arrived() >= total // 4, 120, "a quarter arrived")
@@ -98,6 +104,7 @@ def test_killing_either_broker_mid_run_loses_and_duplicates_nothing(
     poll(lambda: arrived() >= total // 2, 120, "half arrived")
     serve_b.kill()
     assert arrived() < total
+    b_killed.set()
     serve_b.start()
     sender.join(timeout=120)
     assert not failures, failures
