@@ -47,7 +47,14 @@ def states(run: Any) -> dict[str, str]:
 
 
 def released(broker: Broker, handle: str) -> bool:
-    return not [e for e in broker.conversation_endpoints() if str(e.conversation_handle) == handle]
+    """The scheduler's conversation is gone on both sides, once the target's reader has
+    taken the release's EndDialog (a reader must still be running: waits for it)."""
+    poll(
+        lambda: all(str(e.conversation_handle) != handle for e in broker.conversation_endpoints()),
+        30,
+        f"the scheduler's conversation {handle} ended on both sides",
+    )
+    return True
 
 
 def test_example_dags_run_on_a_spark_worker(
@@ -179,18 +186,18 @@ def test_a_failed_task_fails_its_sensor_and_the_run_and_the_release_still_runs(
     # When the DAG runs with executors serving the target queue
     with activation.running(broker):
         run = dags["test_sensor_fails"].test()
-    # Then the run failed at the first wave's sensor, the second wave was never sent, and
-    # the release (a teardown) ran
-    got = states(run)
-    assert run.state == "failed", got
-    assert got["plan.wave_1_sync"] == "failed"
-    assert got["plan.wave_2"] == "upstream_failed"
-    assert got["plan.release_scheduler"] == "success"
-    rows = {r["task_name"]: r for r in log_rows(broker, run.run_id)}
-    assert set(rows) == {"fine", "broken"}
-    assert rows["broken"]["status"] == "FAILED"
-    assert "ValueError: math domain error" in rows["broken"]["error"]
-    assert released(broker, rows["fine"]["scheduler_handle"])
+        # Then the run failed at the first wave's sensor, the second wave was never sent,
+        # and the release (a teardown) ran: the target's reader ends its side too
+        got = states(run)
+        assert run.state == "failed", got
+        assert got["plan.wave_1_sync"] == "failed"
+        assert got["plan.wave_2"] == "upstream_failed"
+        assert got["plan.release_scheduler"] == "success"
+        rows = {r["task_name"]: r for r in log_rows(broker, run.run_id)}
+        assert set(rows) == {"fine", "broken"}
+        assert rows["broken"]["status"] == "FAILED"
+        assert "ValueError: math domain error" in rows["broken"]["error"]
+        assert released(broker, rows["fine"]["scheduler_handle"])
 
 
 def test_a_failed_task_fails_its_wave_when_the_wave_waits_for_itself(
@@ -199,15 +206,16 @@ def test_a_failed_task_fails_its_wave_when_the_wave_waits_for_itself(
     # Given the same two waves, each one Airflow task that sends and waits
     with activation.running(broker):
         run = dags["test_wave_fails"].test()
-    # Then the first wave's task failed with the broken task's error, the second never ran
-    got = states(run)
-    assert run.state == "failed", got
-    assert got["plan.wave_1"] == "failed"
-    assert got["plan.wave_2"] == "upstream_failed"
-    assert got["plan.release_scheduler"] == "success"
-    rows = {r["task_name"]: r for r in log_rows(broker, run.run_id)}
-    assert set(rows) == {"fine", "broken"}
-    assert released(broker, rows["fine"]["scheduler_handle"])
+        # Then the first wave's task failed with the broken task's error, the second never
+        # ran, and the scheduler was released
+        got = states(run)
+        assert run.state == "failed", got
+        assert got["plan.wave_1"] == "failed"
+        assert got["plan.wave_2"] == "upstream_failed"
+        assert got["plan.release_scheduler"] == "success"
+        rows = {r["task_name"]: r for r in log_rows(broker, run.run_id)}
+        assert set(rows) == {"fine", "broken"}
+        assert released(broker, rows["fine"]["scheduler_handle"])
 
 
 @pytest.mark.parametrize(
@@ -245,16 +253,17 @@ def test_ordered_waves_operator_runs_a_plan_as_one_task(
     # When the DAG runs
     with activation.running(broker):
         run = dags[f"test_plan_{how}"].test()
+        rows = sorted(log_rows(broker, run.run_id), key=lambda r: r["log_id"])
+        # (the target's reader ends its side of the released scheduler)
+        assert rows and released(broker, rows[0]["scheduler_handle"])
     # Then one Airflow task ran every wave in order on one scheduler, and released it
     assert run.state == "success", states(run)
-    rows = sorted(log_rows(broker, run.run_id), key=lambda r: r["log_id"])
     assert [r["wave"] for r in rows] == [1, 1, 1, 2, 3]
     assert {r["status"] for r in rows} == {"SUCCEEDED"}
     assert {r["task_id"] for r in rows} == {"plan"}
     assert len({r["scheduler_handle"] for r in rows}) == 1
     assert json.loads(rows[3]["result"]) == 5
     assert min(r["start_time"] for r in rows[3:]) >= max(r["end_time"] for r in rows[:3])
-    assert released(broker, rows[0]["scheduler_handle"])
     ti = next(t for t in run.get_task_instances() if t.task_id == "plan")
     assert [len(w) for w in ti.xcom_pull(task_ids="plan")["waves"]] == [3, 1, 1]
 
