@@ -20,6 +20,7 @@ from multiproc import poll
 
 from scheduler_lib.broker import Broker, activation
 from scheduler_lib.scheduler import catalog, init
+from tests.etl_lineage import ETL_LINEAGE
 
 pytestmark = pytest.mark.slow
 
@@ -110,19 +111,6 @@ def test_example_dags_run_on_a_spark_worker(
         assert {r["status"] for r in rows} == {"SUCCEEDED"}, [r["error"] for r in rows]
         instant = run.run_after.strftime("%Y%m%dT%H%M%S")
         assert f"raw_orders_{instant} " in json.loads(rows[0]["task_body"])["sql"][1]
-
-
-# What each task of the batch-ETL DAG reads and writes (tables of the run's day)
-ETL_LINEAGE = {
-    "load orders": ([], ["raw_orders"]),
-    "load customers": ([], ["raw_customers"]),
-    "load products": ([], ["raw_products"]),
-    "load returns": ([], ["raw_returns"]),
-    "enrich orders": (["raw_customers", "raw_orders", "raw_products"], ["orders_enriched"]),
-    "net returns": (["raw_returns"], ["returns_net"]),
-    "daily sales": (["orders_enriched", "returns_net"], ["daily_sales"]),
-    "sales report": (["daily_sales"], []),
-}
 
 
 def check_lineage(path: Path, run: Any, rows: list[dict[str, Any]]) -> None:

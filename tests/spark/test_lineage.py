@@ -18,6 +18,7 @@ from multiproc import poll
 
 from scheduler_lib.scheduler import TaskScheduler
 from scheduler_lib.spark import lineage
+from tests.etl_lineage import ETL_LINEAGE
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -137,19 +138,9 @@ def test_the_etl_dags_spark_sql_tasks_emit_their_tables_and_airflow_parent(
     # ... and on COMPLETE the tables each task read and wrote, where the warehouse holds
     # them (named by location, the catalog's name as a symlink)
     completed = {job.split(".", 1)[1]: got[-1] for job, got in by_job.items()}
-    expected = {
-        "load orders": ([], ["raw_orders"]),
-        "load customers": ([], ["raw_customers"]),
-        "load products": ([], ["raw_products"]),
-        "load returns": ([], ["raw_returns"]),
-        "enrich orders": (["raw_customers", "raw_orders", "raw_products"], ["orders_enriched"]),
-        "net returns": (["raw_returns"], ["returns_net"]),
-        "daily sales": (["orders_enriched", "returns_net"], ["daily_sales"]),
-        "sales report": (["daily_sales"], []),
-    }
     # (Spark says its warehouse as a URI: file:/...)
     warehouse = Path((spark.conf.get("spark.sql.warehouse.dir") or "").removeprefix("file:"))
-    for name, (read_tables, written) in expected.items():
+    for name, (read_tables, written) in ETL_LINEAGE.items():
         event = completed[name]
         assert tables(event["inputs"]) == [f"default.{t}_{DAY}" for t in read_tables], name
         assert tables(event["outputs"]) == [f"default.{t}_{DAY}" for t in written], name
