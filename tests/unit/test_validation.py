@@ -302,6 +302,57 @@ def test_parse_keeps_semicolons_inside_the_statement() -> None:
     assert parsed == {"q": "SELECT ';' AS s"}
 
 
+def test_a_fragment_stands_in_for_its_include_and_is_not_a_query() -> None:
+    # Given a column list and a filter two queries share, as fragments
+    source = """\
+-- fragment: row
+-- the columns
+SELECT a, b FROM t
+-- fragment: newest
+ORDER BY a DESC LIMIT :limit;
+-- name: all_rows
+-- include: row
+WHERE 1 = 1
+-- include: newest
+-- name: of_b
+-- include: row
+WHERE b = :b
+  -- include: newest
+"""
+    # When the file is parsed
+    parsed = queries.parse(source)
+    # Then each query has the fragments' SQL in place of its includes, and only the
+    # named blocks are queries
+    assert parsed == {
+        "all_rows": "SELECT a, b FROM t\nWHERE 1 = 1\nORDER BY a DESC LIMIT :limit",
+        "of_b": "SELECT a, b FROM t\nWHERE b = :b\nORDER BY a DESC LIMIT :limit",
+    }
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("-- name: q\n-- include: later\nSELECT 1;\n-- fragment: later\nSELECT 2;\n", "'later'"),
+        ("-- fragment: f\nSELECT 1;\n-- name: q\n-- include: f-g\n", "malformed include"),
+        ("-- fragment: q\nSELECT 1;\n-- name: q\nSELECT 2;\n", r"'q'.*twice"),
+        ("-- fragment: bad-name\nSELECT 1;\n", "malformed query header"),
+    ],
+    ids=[
+        "included-before-defined",
+        "malformed-include",
+        "name-of-a-fragment",
+        "malformed-fragment",
+    ],
+)
+def test_parse_rejects_a_broken_fragment(source: str, message: str) -> None:
+    # Given an include of a fragment defined only below it, a malformed include, a query
+    # named as a fragment, a malformed fragment header
+    # When it is parsed
+    # Then ValueError naming what is wrong (an include left as a comment would drop SQL)
+    with pytest.raises(ValueError, match=message):
+        queries.parse(source)
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_shipped_query_files_load_for_each_dialect(dialect: str) -> None:
     # Given the query files in the package

@@ -201,114 +201,71 @@ SELECT * FROM semaphore_holders WHERE semaphore_name = :name ORDER BY acquired_a
 -- the user may see too few of the rows read).
 -- ---------------------------------------------------------------------------------------
 
--- name: monitor_log_recent
--- The newest rows of the log (the primary key).
+-- fragment: monitor_log_row
+-- A row as the page shows it.
 SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
     worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
     end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
 FROM execution_log
-WHERE 1 = 1
+
+-- fragment: monitor_log_narrowed
+-- The filters every shape takes, newest first, a screen's worth.
 AND log_id < :before
 AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
 AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
 AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
 AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
 ORDER BY log_id DESC LIMIT :limit;
+
+-- name: monitor_log_recent
+-- The newest rows of the log (the primary key).
+-- include: monitor_log_row
+WHERE 1 = 1
+-- include: monitor_log_narrowed
 
 -- name: monitor_log_of_scheduler
 -- The newest rows one scheduler handle sent.
-SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
-    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
-    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
-FROM execution_log
+-- include: monitor_log_row
 WHERE scheduler_handle = :handle
-AND log_id < :before
-AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
-AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
-AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
-AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
-ORDER BY log_id DESC LIMIT :limit;
+-- include: monitor_log_narrowed
 
 -- name: monitor_log_of_dag
 -- The newest rows the runs of one Airflow DAG sent.
-SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
-    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
-    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
-FROM execution_log
+-- include: monitor_log_row
 WHERE dag_id = :dag_id
-AND log_id < :before
-AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
-AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
-AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
-AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
-ORDER BY log_id DESC LIMIT :limit;
+-- include: monitor_log_narrowed
 
 -- name: monitor_log_of_run
 -- The newest rows one Airflow DAG run sent.
-SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
-    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
-    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
-FROM execution_log
+-- include: monitor_log_row
 WHERE dag_id = :dag_id AND run_id = :run_id
-AND log_id < :before
-AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
-AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
-AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
-AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
-ORDER BY log_id DESC LIMIT :limit;
+-- include: monitor_log_narrowed
 
 -- name: monitor_log_of_scheduler_in_dag
 -- The newest rows one scheduler handle sent for one DAG (the scheduler's index).
-SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
-    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
-    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
-FROM execution_log
+-- include: monitor_log_row
 WHERE scheduler_handle = :handle AND dag_id = :dag_id
-AND log_id < :before
-AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
-AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
-AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
-AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
-ORDER BY log_id DESC LIMIT :limit;
+-- include: monitor_log_narrowed
 
 -- name: monitor_log_of_scheduler_in_run
 -- The newest rows one scheduler handle sent for one DAG run (the scheduler's index).
-SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
-    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
-    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
-FROM execution_log
+-- include: monitor_log_row
 WHERE scheduler_handle = :handle AND dag_id = :dag_id AND run_id = :run_id
-AND log_id < :before
-AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
-AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
-AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
-AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
-ORDER BY log_id DESC LIMIT :limit;
+-- include: monitor_log_narrowed
 
 -- name: monitor_log_failed
 -- The newest failed rows, any other filter applied on the way (the failed rows'
 -- partial index: failures are few, so walking them all is cheap).
-SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
-    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
-    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
-FROM execution_log
+-- include: monitor_log_row
 WHERE status = 'FAILED'
 AND (CAST(:handle AS VARCHAR(36)) IS NULL OR scheduler_handle = :handle)
 AND (CAST(:dag_id AS VARCHAR(250)) IS NULL OR dag_id = :dag_id)
 AND (CAST(:run_id AS VARCHAR(250)) IS NULL OR run_id = :run_id)
-AND log_id < :before
-AND (CAST(:target AS VARCHAR(128)) IS NULL OR target_service = :target)
-AND (CAST(:kind AS VARCHAR(64)) IS NULL OR task_kind = :kind)
-AND (CAST(:since AS FLOAT) IS NULL OR sent_at >= :since)
-AND (CAST(:until AS FLOAT) IS NULL OR sent_at < :until)
-ORDER BY log_id DESC LIMIT :limit;
+-- include: monitor_log_narrowed
 
 -- name: monitor_task
 -- One row, as the page shows it (before the page acts on it).
-SELECT log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
-    worker_id, spark_application_id, spark_job_group, spark_ui_url, sent_at, start_time,
-    end_time, status, error, attempts, cancel_requested_at, dag_id, run_id, task_id
-FROM execution_log
+-- include: monitor_log_row
 WHERE log_id = :log_id;
 
 -- name: metrics_tasks_open
