@@ -23,19 +23,18 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_lib import __version__
 from scheduler_lib.broker import Broker, Log, Message, PoisonDetector, PoisonPolicy, Transaction
 from scheduler_lib.broker import schema as broker_schema
 from scheduler_lib.scheduler import Target, Task, TaskScheduler
+from tests.scrape import Series, samples
 
 CLI = str(Path(sys.executable).parent / "scheduler-lib")
 AHEAD_OF_UTC = {"TZ": "XYZ-5:45"}  # POSIX: local time = UTC + 5:45 (no tz database needed)
@@ -538,14 +537,8 @@ def test_serve_with_reader_processes_logs_and_counts_what_they_ran(
     # And serve's /metrics counts what the reader process ran, and what its broker received
     queue = Target.queue
 
-    def counted() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        with urllib.request.urlopen(said.group(1), timeout=10) as response:
-            text = response.read().decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
+    def counted() -> dict[Series, float]:
+        return samples(said.group(1))
 
     finished = "scheduler_lib_tasks_finished_total"
     labels = (("kind", "python"), ("queue", queue))

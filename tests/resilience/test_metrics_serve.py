@@ -17,26 +17,20 @@ from pathlib import Path
 import pytest
 from multiproc import poll
 from private_postgres import PrivatePostgres
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.processes import Processes
 from scheduler_lib.broker import Broker
 from scheduler_lib.scheduler import Target, Task, TaskScheduler, init
+from tests.scrape import Series, samples
 
 READERS = 2  # the target's max_queue_readers: tasks beyond it wait, ready
 TASKS = 5
 SLEEP = 120.0  # seconds each task runs: longer than the test, which cancels them
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(port: int) -> dict[Series, float]:
     """Every sample of /metrics: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    return samples(f"http://127.0.0.1:{port}/metrics")
 
 
 def health(port: int) -> tuple[int, dict[str, object]]:

@@ -29,10 +29,10 @@ from typing import Any
 
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.airflow_standalone import HarnessError, quote, wait_for
 from tests.airflow.test_standalone import CHROME_FLAGS, PAGE_STATE
+from tests.scrape import samples
 from tests.stack.harness import STOP_DEADLINE, Stack, stack_processes
 
 ETL, BLOG = "scheduler_lib_batch_etl", "scheduler_lib_blog_waves"
@@ -41,6 +41,7 @@ BROWSER_WAIT = 60.0
 GIB = 1024**3
 MEMORY_BUDGET = 8 * GIB  # the whole stack's, issue 23
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+TASKS_FINISHED = "scheduler_lib_tasks_finished_total"
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -162,11 +163,9 @@ def test_make_stack_runs_both_example_dags_over_two_workers(
         port = stack.env[f"SCHEDULER_LIB_{process}_METRICS_PORT"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as got:
             assert json.loads(got.read())["healthy"] is True, process
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as got:
-            for family in text_string_to_metric_families(got.read().decode()):
-                for sample in family.samples:
-                    if sample.name == "scheduler_lib_tasks_finished_total" and process != "SERVE":
-                        finished += sample.value
+        seen = samples(f"http://127.0.0.1:{port}/metrics", timeout=30)
+        if process != "SERVE":
+            finished += sum(v for (name, _), v in seen.items() if name == TASKS_FINISHED)
     assert finished >= len(rows), (finished, len(rows))
 
 
