@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -362,6 +363,24 @@ def test_shipped_query_files_load_for_each_dialect(dialect: str) -> None:
     # Then every common query is there, none empty
     assert set(common) <= set(loaded)
     assert all(str(q).strip() for q in loaded.values())
+
+
+# Query names that code composes rather than spells out: name -> where
+COMPOSED = {"receive_take_conversation_retained": "Transaction: the take of a RETENTION queue"}
+
+
+def test_every_named_query_has_a_caller() -> None:
+    # Given the named queries of the broker and of the scheduler, for both dialects
+    names: set[str] = set()
+    for package in ("scheduler_lib.broker", "scheduler_lib.scheduler"):
+        for dialect in ("sqlite", "postgresql"):
+            names |= set(queries.for_dialect(dialect, package))
+    # When the library's code is searched for each name, as a string
+    code = "\n".join(p.read_text() for p in Path(queries.__file__).parents[1].rglob("*.py"))
+    # Then each is called somewhere (a query nobody runs is dead SQL to keep in step)
+    called = {n for n in names if f'"{n}"' in code or f"'{n}'" in code}
+    assert sorted(names - called - set(COMPOSED)) == []
+    assert set(COMPOSED) <= names
 
 
 def test_postgresql_overrides_replace_common_queries() -> None:

@@ -46,10 +46,6 @@ ORDER BY message_type_name;
 -- Whether a contract exists.
 SELECT 1 FROM contracts WHERE contract_name = :name;
 
--- name: contract_list
--- All contracts.
-SELECT contract_name FROM contracts ORDER BY contract_name;
-
 -- name: contract_services
 -- Services that accept a contract.
 SELECT service_name FROM service_contracts WHERE contract_name = :name ORDER BY service_name;
@@ -144,17 +140,6 @@ UPDATE queues SET waiting_receivers = CASE WHEN waiting_receivers > 0
 -- name: queue_notify
 -- Wake receivers waiting on a queue; a no-op on SQLite (its wakeups are in-process).
 SELECT 1 WHERE 1 = 0;
-
--- name: queue_message_counts
--- Ready and retained messages of a queue.
-SELECT
-    coalesce(sum(CASE WHEN status = 1 THEN 1 ELSE 0 END), 0) AS ready,
-    coalesce(sum(CASE WHEN status <> 1 THEN 1 ELSE 0 END), 0) AS retained
-FROM queue_messages WHERE queue_name = :name;
-
--- name: queue_has_ready
--- Whether a queue has a ready message (cheap check before taking the write lock).
-SELECT 1 FROM queue_messages WHERE queue_name = :name AND status = 1 LIMIT 1;
 
 -- name: queue_peek
 -- The queue's rows without receiving them (SELECT * FROM queue), in the order RECEIVE
