@@ -24,12 +24,12 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
-	$(PY) -m pytest --ignore=tests/stack $(XDIST)
+	$(PY) -m pytest --ignore=tests/stack $(XDIST) --durations=25
 
 ## The process stack's tests (tests/stack): make stack driven end to end, and its parity with
 ## docker-compose.yaml (.ci/run runs them after `make test`).
 stack-test: $(STAMP)
-	$(PY) -m pytest tests/stack -p no:cacheprovider
+	$(PY) -m pytest tests/stack -p no:cacheprovider --durations=0
 
 ## The provider's tests (and the transport's over TLS) on the lowest Airflow and Python that
 ## pyproject.toml declares, in a venv of their own pinned by constraints-lowest.txt (.ci/run
@@ -41,7 +41,7 @@ LOWEST_PYTHON ?= python3.10
 
 test-lowest: $(LOWEST_STAMP)
 	$(LOWEST_VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall .
-	$(LOWEST_VENV)/bin/python -m pytest tests/airflow -m "not e2e" -p no:cacheprovider $(XDIST)
+	$(LOWEST_VENV)/bin/python -m pytest tests/airflow -m "not e2e" -p no:cacheprovider $(XDIST) --durations=15
 	# The transport over TLS: Python 3.10's asyncio TLS transport tells a lost connection
 	# otherwise than 3.11's.
 	$(LOWEST_VENV)/bin/python -m pytest tests/transport/test_protocol.py -k tls -p no:cacheprovider
