@@ -50,14 +50,22 @@ def broker(private_db_url: str) -> Iterator[Broker]:
 
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("readers", ["thread", "process"])
 def test_serve_shows_its_queues_and_tasks_and_says_when_the_database_is_gone(
-    broker: Broker, private_db_url: str, private_postgres: PrivatePostgres, tmp_path: Path
+    broker: Broker,
+    private_db_url: str,
+    private_postgres: PrivatePostgres,
+    tmp_path: Path,
+    readers: str,
 ) -> None:
     queue = Target.queue
     with Processes(tmp_path) as processes:
         # Given `scheduler-lib serve` with its metrics port (0: a free one, which it says),
-        # default settings otherwise
-        serve = processes.start("serve", "serve", "--db", private_db_url, "--metrics-port", "0")
+        # its readers threads (the default) or processes (whose counts it adds to its own)
+        serve = processes.start(
+            "serve",
+            *("serve", "--db", private_db_url, "--metrics-port", "0", "--readers", readers),
+        )
         processes.wait_said(serve, "health on /healthz", 60)
         said = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/", processes.stdout(serve))
         assert said is not None, processes.output(serve)
