@@ -34,7 +34,7 @@ from scheduler_lib import __version__
 from scheduler_lib.broker import Broker, Log, Message, PoisonDetector, PoisonPolicy, Transaction
 from scheduler_lib.broker import schema as broker_schema
 from scheduler_lib.scheduler import Target, Task, TaskScheduler
-from tests.scrape import Series, samples
+from tests.scrape import samples
 
 CLI = str(Path(sys.executable).parent / "scheduler-lib")
 AHEAD_OF_UTC = {"TZ": "XYZ-5:45"}  # POSIX: local time = UTC + 5:45 (no tz database needed)
@@ -537,13 +537,10 @@ def test_serve_with_reader_processes_logs_and_counts_what_they_ran(
     # And serve's /metrics counts what the reader process ran, and what its broker received
     queue = Target.queue
 
-    def counted() -> dict[Series, float]:
-        return samples(said.group(1))
-
     finished = "scheduler_lib_tasks_finished_total"
     labels = (("kind", "python"), ("queue", queue))
     deadline = time.monotonic() + 60
-    while (seen := counted()).get((finished, (*labels, ("status", "FAILED")))) != 1:
+    while (seen := samples(said.group(1))).get((finished, (*labels, ("status", "FAILED")))) != 1:
         assert time.monotonic() < deadline, sorted(k for k in seen if k[0] == finished)
         time.sleep(0.1)
     assert seen[(finished, (*labels, ("status", "SUCCEEDED")))] == 1

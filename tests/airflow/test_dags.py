@@ -167,42 +167,33 @@ def check_lineage(path: Path, run: Any, rows: list[dict[str, Any]]) -> None:
         )
 
 
-def test_a_failed_task_fails_its_sensor_and_the_run_and_the_release_still_runs(
-    dags: dict[str, Any], broker: Broker
+@pytest.mark.parametrize(
+    ("dag_id", "waiter"),
+    [
+        # the first wave's sensor waits for it (a task of its own)
+        ("test_sensor_fails", "plan.wave_1_sync"),
+        # each wave is one Airflow task that sends and waits
+        ("test_wave_fails", "plan.wave_1"),
+    ],
+)
+def test_a_failed_task_fails_its_wave_and_the_run_and_the_release_still_runs(
+    dags: dict[str, Any], broker: Broker, dag_id: str, waiter: str
 ) -> None:
-    # Given two waves whose first has a task that raises (test_sensor_fails)
+    # Given two waves whose first has a task that raises
     # When the DAG runs with executors serving the target queue
     with activation.running(broker):
-        run = dags["test_sensor_fails"].test()
-        # Then the run failed at the first wave's sensor, the second wave was never sent,
-        # and the release (a teardown) ran: the target's reader ends its side too
+        run = dags[dag_id].test()
+        # Then the run failed where the first wave is waited for, the second wave was never
+        # sent, and the release (a teardown) ran: the target's reader ends its side too
         got = states(run)
         assert run.state == "failed", got
-        assert got["plan.wave_1_sync"] == "failed"
+        assert got[waiter] == "failed"
         assert got["plan.wave_2"] == "upstream_failed"
         assert got["plan.release_scheduler"] == "success"
         rows = {r["task_name"]: r for r in log_rows(broker, run.run_id)}
         assert set(rows) == {"fine", "broken"}
         assert rows["broken"]["status"] == "FAILED"
         assert "ValueError: math domain error" in rows["broken"]["error"]
-        assert released(broker, rows["fine"]["scheduler_handle"])
-
-
-def test_a_failed_task_fails_its_wave_when_the_wave_waits_for_itself(
-    dags: dict[str, Any], broker: Broker
-) -> None:
-    # Given the same two waves, each one Airflow task that sends and waits
-    with activation.running(broker):
-        run = dags["test_wave_fails"].test()
-        # Then the first wave's task failed with the broken task's error, the second never
-        # ran, and the scheduler was released
-        got = states(run)
-        assert run.state == "failed", got
-        assert got["plan.wave_1"] == "failed"
-        assert got["plan.wave_2"] == "upstream_failed"
-        assert got["plan.release_scheduler"] == "success"
-        rows = {r["task_name"]: r for r in log_rows(broker, run.run_id)}
-        assert set(rows) == {"fine", "broken"}
         assert released(broker, rows["fine"]["scheduler_handle"])
 
 

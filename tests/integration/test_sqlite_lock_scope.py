@@ -102,7 +102,9 @@ def test_serve_on_sqlite_warns_once_for_a_queue_of_several_transactional_readers
             poll(lambda n=n: len(procs.events("done")) == n, WAIT, f"job {n} to be done")
     # Then SQLite said once that the readers are serialized; PostgreSQL said nothing
     said = [
-        r.getMessage() for r in caplog.records if "lock is the whole database" in r.getMessage()
+        m
+        for m in map(logging.LogRecord.getMessage, caplog.records)
+        if "lock is the whole database" in m
     ]
     if broker.dialect == "sqlite":
         assert len(said) == 1, said
