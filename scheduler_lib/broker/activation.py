@@ -285,12 +285,12 @@ class ActivationRuntime:
 
     def _sync_monitors(self) -> None:
         with self.broker.transaction() as tx:
-            tx._execute("monitor_delete_unused")
-            queues = {r["queue_name"] for r in tx._all("queues_activating")}
+            tx.session.execute("monitor_delete_unused")
+            queues = {r["queue_name"] for r in tx.session.all("queues_activating")}
             if self.queues is not None:
                 queues &= self.queues
             for queue in queues:
-                tx._execute("monitor_ensure", queue=queue, now=self.clock())
+                tx.session.execute("monitor_ensure", queue=queue, now=self.clock())
         with self._lock:
             for queue in queues - set(self._monitors):
                 thread = threading.Thread(
@@ -371,16 +371,16 @@ class ActivationRuntime:
         started: list[tuple[str, str]] = []
         posted = 0
         with self.broker.transaction() as tx:
-            monitor = tx._one("monitor_lock", queue=queue)
+            monitor = tx.session.one("monitor_lock", queue=queue)
             if monitor is None:
                 return None
             info = tx._queue(queue)
-            head = tx._scalar("queue_head", queue=queue)
-            running = int(tx._scalar("task_count", queue=queue))
+            head = tx.session.scalar("queue_head", queue=queue)
+            running = int(tx.session.scalar("task_count", queue=queue))
             full = False
             if head is None or not info.is_receive_enabled:
                 self._saturated[queue] = False
-                tx._execute("monitor_idle", queue=queue, now=now)
+                tx.session.execute("monitor_idle", queue=queue, now=now)
                 return Decision(queue, head is not None, running, 0, 0, info.is_activation_eager)
             stamps = (monitor["last_empty_rowset_at"], self.broker.last_waiting_receiver(queue))
             last_empty = max((t for t in stamps if t is not None), default=None)
@@ -401,7 +401,7 @@ class ActivationRuntime:
                     task_id = str(uuid.uuid4())
                     with self._lock:
                         self._starting.add(task_id)
-                    tx._execute(
+                    tx.session.execute(
                         "task_insert",
                         task_id=task_id,
                         queue=queue,
@@ -413,7 +413,7 @@ class ActivationRuntime:
                         execute_as=info.execute_as,
                         now=now,
                     )
-                    tx._execute("monitor_activated", queue=queue, now=now)
+                    tx.session.execute("monitor_activated", queue=queue, now=now)
                     started.append((task_id, info.activation_procedure))
                 # This runtime's own cap reached: nothing but a reader leaving lets it start
                 # another. (The queue's max_readers is not used the same way: an ALTER or
@@ -476,8 +476,10 @@ class ActivationRuntime:
         message at once: a wave of N tasks starts N readers.
         """
         if info.is_activation_eager:
-            ready = int(tx._scalar("queue_ready_count", queue=info.name, cap=info.max_readers))
-            busy = int(tx._scalar("queue_lease_count", queue=info.name))
+            ready = int(
+                tx.session.scalar("queue_ready_count", queue=info.name, cap=info.max_readers)
+            )
+            busy = int(tx.session.scalar("queue_lease_count", queue=info.name))
             return min(info.max_readers, busy + ready) - running
         last_started = monitor["last_activated_at"]
         settled = last_started is None or now - last_started >= self.empty_grace
@@ -492,7 +494,9 @@ class ActivationRuntime:
         nobody_waiting: bool,
         now: float,
     ) -> int:
-        subscribers = tx._all("event_notifications_for", queue=queue, event_type=QUEUE_ACTIVATION)
+        subscribers = tx.session.all(
+            "event_notifications_for", queue=queue, event_type=QUEUE_ACTIVATION
+        )
         if not subscribers or not nobody_waiting:
             return 0
         if monitor["state"] == "NOTIFIED":
@@ -503,7 +507,7 @@ class ActivationRuntime:
             if not (received_since or timed_out):
                 return 0
         posted = events.post(tx, queue, QUEUE_ACTIVATION, now=now)
-        tx._execute("monitor_notified", queue=queue, head=head, now=now)
+        tx.session.execute("monitor_notified", queue=queue, head=head, now=now)
         return posted
 
     # --- readers ---------------------------------------------------------------------
@@ -552,7 +556,7 @@ class ActivationRuntime:
             # If the database is away now, the heartbeat removes the row once it is back:
             # it vouches only for readers that still run.
             with contextlib.suppress(Exception), self.broker.transaction() as tx:
-                tx._execute("task_delete", task_id=task_id)
+                tx.session.execute("task_delete", task_id=task_id)
             # "all readers exited" is a reason to re-check at once
             self.broker._wakeups.notify({queue, _readers_key(queue)})
 
@@ -575,17 +579,17 @@ class ActivationRuntime:
         """
         now = self.clock()
         with self.broker.transaction() as tx:
-            rows = tx._all("tasks_of_runtime", runtime_id=self.runtime_id)
+            rows = tx.session.all("tasks_of_runtime", runtime_id=self.runtime_id)
             with self._lock:
                 live = set(self._readers) | self._starting
             # A reader that ended while the database was away could not remove its row.
             gone = [r["task_id"] for r in rows if r["task_id"] not in live]
             for task_id in gone:
-                tx._execute("task_delete", task_id=task_id)
-            tx._execute("tasks_heartbeat", runtime_id=self.runtime_id, now=now)
+                tx.session.execute("task_delete", task_id=task_id)
+            tx.session.execute("tasks_heartbeat", runtime_id=self.runtime_id, now=now)
             # Only once the runtimes had a whole expiry to vouch for their readers since
             # the database was last back: a live reader is never lost to an outage.
-            expired = tx._count(
+            expired = tx.session.count(
                 "tasks_expire",
                 cutoff=now - self.heartbeat_expiry,
                 recovered_at=self.broker.availability.recovered_at,

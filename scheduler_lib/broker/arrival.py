@@ -51,10 +51,10 @@ _SENDABLE = (
 
 def release_held(tx: Transaction, queue: str) -> None:
     """Deliver the messages held for ``queue`` (which is on now), in arrival order."""
-    tx._wrote = True
+    tx.session.mark_written()
     refused: list[tuple[str, int, str]] = []  # (receiving handle, its number, why)
     failed: set[str] = set()
-    for row in tx._all("held_to_check", queue=queue):
+    for row in tx.session.all("held_to_check", queue=queue):
         handle = str(row["conversation_handle"])
         if handle in failed:
             continue
@@ -63,12 +63,12 @@ def release_held(tx: Transaction, queue: str) -> None:
             continue
         failed.add(handle)
         # It and everything of its conversation held after it stay out of the queue.
-        tx._execute("held_drop_from", handle=handle, message_id=row["message_id"])
+        tx.session.execute("held_drop_from", handle=handle, message_id=row["message_id"])
         refused.append((handle, int(row["message_sequence_number"]), reason))
-    tx._execute("held_reprioritize", queue=queue)
-    tx._execute("transmission_release", queue=queue)
-    tx._execute("transmission_delete_queue", queue=queue)
-    tx._touched_queues.add(queue)
+    tx.session.execute("held_reprioritize", queue=queue)
+    tx.session.execute("transmission_release", queue=queue)
+    tx.session.execute("transmission_delete_queue", queue=queue)
+    tx.session.touched(queue)
     for handle, seq, reason in refused:
         _fail(tx, handle, seq, reason)
 
@@ -95,7 +95,7 @@ def _fail(tx: Transaction, handle: str, seq: int, reason: str) -> None:
     queue, as every Error. A target endpoint whose FIRST message it was never came to be
     (SQL Server creates it when that message reaches the queue): it closes. A side whose
     application already ended (``DO``) closes instead of being told."""
-    row = tx._one("endpoint_get", handle=handle)
+    row = tx.session.one("endpoint_get", handle=handle)
     if row is None:
         return
     receiver = ConversationEndpoint.from_row(row)
@@ -107,9 +107,9 @@ def _fail(tx: Transaction, handle: str, seq: int, reason: str) -> None:
         elif sender.state in _SENDABLE:
             # The answer is the receiving side's next message; like every Error it is
             # received ahead of what the sender's queue still holds (ERROR_SEQUENCE).
-            tx._scalar("endpoint_take_system_sequence", handle=handle)
+            tx.session.scalar("endpoint_take_system_sequence", handle=handle)
             tx._enqueue_at(sender, ERROR_SEQUENCE, ERROR, body)
-            tx._execute(
+            tx.session.execute(
                 "endpoint_set_state",
                 handle=str(sender.conversation_handle),
                 state=EndpointState.ERROR.value,
@@ -119,4 +119,4 @@ def _fail(tx: Transaction, handle: str, seq: int, reason: str) -> None:
         tx._close(receiver)
     elif receiver.state is not EndpointState.CLOSED:
         tx._enqueue_at(receiver, ERROR_SEQUENCE, ERROR, body)
-        tx._execute("endpoint_set_state", handle=handle, state=EndpointState.ERROR.value)
+        tx.session.execute("endpoint_set_state", handle=handle, state=EndpointState.ERROR.value)

@@ -67,9 +67,11 @@ class CatalogOperations:
         if name in SYSTEM_MESSAGE_TYPES:
             raise exceptions.AlreadyExists(f"{name!r} is a system message type")
         with self._operation() as tx:
-            if tx._one("message_type_get", name=name):
+            if tx.session.one("message_type_get", name=name):
                 raise exceptions.AlreadyExists(f"message type {name!r} already exists")
-            tx._execute("message_type_insert", name=name, validation=checked.value, now=time.time())
+            tx.session.execute(
+                "message_type_insert", name=name, validation=checked.value, now=time.time()
+            )
 
     def alter_message_type(self, name: str, validation: Validation | str) -> None:
         """ALTER MESSAGE TYPE ... VALIDATION.
@@ -78,7 +80,10 @@ class CatalogOperations:
         """
         checked = _enum(Validation, validation, "validation")
         with self._operation() as tx:
-            if tx._count("message_type_set_validation", name=name, validation=checked.value) == 0:
+            if (
+                tx.session.count("message_type_set_validation", name=name, validation=checked.value)
+                == 0
+            ):
                 raise exceptions.MessageTypeNotFound(f"message type {name!r} does not exist")
 
     def drop_message_type(self, name: str) -> None:
@@ -88,21 +93,23 @@ class CatalogOperations:
         :raises InUse: while a contract lists it
         """
         with self._operation() as tx:
-            if not tx._one("message_type_get", name=name):
+            if not tx.session.one("message_type_get", name=name):
                 raise exceptions.MessageTypeNotFound(f"message type {name!r} does not exist")
-            users = [r["contract_name"] for r in tx._all("message_type_contracts", name=name)]
+            users = [
+                r["contract_name"] for r in tx.session.all("message_type_contracts", name=name)
+            ]
             if users:
                 raise exceptions.InUse(
                     f"message type {name!r} is used by contracts {users}", hint="drop them first"
                 )
-            tx._execute("message_type_delete", name=name)
+            tx.session.execute("message_type_delete", name=name)
 
     def message_types(self) -> dict[str, Validation]:
         """Every message type with its validation (``sys.service_message_types``)."""
         with self._operation() as tx:
             return {
                 r["message_type_name"]: Validation(r["validation"])
-                for r in tx._all("message_type_list")
+                for r in tx.session.all("message_type_list")
             }
 
     # --- contracts -------------------------------------------------------------------
@@ -128,20 +135,20 @@ class CatalogOperations:
             for mt, by in message_types.items()
         }
         with self._operation() as tx:
-            if tx._one("contract_exists", name=name):
+            if tx.session.one("contract_exists", name=name):
                 raise exceptions.AlreadyExists(f"contract {name!r} already exists")
             for mt in checked:
                 if mt in SYSTEM_MESSAGE_TYPES:
                     raise exceptions.InvalidArgument(
                         f"system message type {mt!r} cannot be listed in a contract"
                     )
-                if not tx._one("message_type_get", name=mt):
+                if not tx.session.one("message_type_get", name=mt):
                     raise exceptions.MessageTypeNotFound(
                         f"contract {name!r} names message type {mt!r}, which does not exist"
                     )
-            tx._execute("contract_insert", name=name, now=time.time())
+            tx.session.execute("contract_insert", name=name, now=time.time())
             for mt, by in checked.items():
-                tx._execute(
+                tx.session.execute(
                     "contract_message_type_insert", contract=name, message_type=mt, sent_by=by.value
                 )
 
@@ -151,11 +158,11 @@ class CatalogOperations:
         :raises ContractNotFound: for an unknown name
         """
         with self._operation() as tx:
-            if not tx._one("contract_exists", name=name):
+            if not tx.session.one("contract_exists", name=name):
                 raise exceptions.ContractNotFound(f"contract {name!r} does not exist")
             return {
                 r["message_type_name"]: SentBy(r["sent_by"])
-                for r in tx._all("contract_message_types", name=name)
+                for r in tx.session.all("contract_message_types", name=name)
             }
 
     def drop_contract(self, name: str) -> None:
@@ -165,16 +172,16 @@ class CatalogOperations:
         :raises InUse: while a service accepts it or a conversation uses it
         """
         with self._operation() as tx:
-            if not tx._one("contract_exists", name=name):
+            if not tx.session.one("contract_exists", name=name):
                 raise exceptions.ContractNotFound(f"contract {name!r} does not exist")
-            services = [r["service_name"] for r in tx._all("contract_services", name=name)]
+            services = [r["service_name"] for r in tx.session.all("contract_services", name=name)]
             if services:
                 raise exceptions.InUse(f"contract {name!r} is accepted by services {services}")
-            if tx._scalar("contract_endpoint_count", name=name):
+            if tx.session.scalar("contract_endpoint_count", name=name):
                 raise exceptions.InUse(
                     f"contract {name!r} is used by open conversations", hint="end them first"
                 )
-            tx._execute("contract_delete", name=name)
+            tx.session.execute("contract_delete", name=name)
 
     # --- queues ----------------------------------------------------------------------
 
@@ -234,10 +241,10 @@ class CatalogOperations:
             eager_activation=eager_activation,
         )
         with self._operation() as tx:
-            if tx._one("queue_get", name=name):
+            if tx.session.one("queue_get", name=name):
                 raise exceptions.AlreadyExists(f"queue {name!r} already exists")
-            tx._execute("queue_insert", now=time.time(), **settings)
-            tx._catalog_changed = True
+            tx.session.execute("queue_insert", now=time.time(), **settings)
+            tx.session.catalog_changed()
 
     def alter_queue(
         self,
@@ -298,7 +305,7 @@ class CatalogOperations:
                 disabled_reason, disabled_at = "turned off by alter_queue", now
             else:
                 disabled_reason, disabled_at = current.disabled_reason, current.disabled_at
-            tx._execute(
+            tx.session.execute(
                 "queue_update",
                 now=now,
                 disabled_reason=disabled_reason,
@@ -307,8 +314,8 @@ class CatalogOperations:
             )
             if settings["status"] and not current.is_receive_enabled:
                 arrival.release_held(tx, name)
-            tx._touched_queues.add(name)  # waiting receivers and the monitor look again
-            tx._catalog_changed = True
+            tx.session.touched(name)  # waiting receivers and the monitor look again
+            tx.session.catalog_changed()
             return tx._queue(name)
 
     def queue(self, name: str) -> QueueInfo:
@@ -322,7 +329,7 @@ class CatalogOperations:
     def queues(self) -> list[QueueInfo]:
         """Every queue (``sys.service_queues``)."""
         with self._operation() as tx:
-            return [QueueInfo.from_row(r) for r in tx._all("queue_list")]
+            return [QueueInfo.from_row(r) for r in tx.session.all("queue_list")]
 
     def drop_queue(self, name: str) -> None:
         """DROP QUEUE.
@@ -332,12 +339,12 @@ class CatalogOperations:
         """
         with self._operation() as tx:
             tx._queue(name)
-            services = [r["service_name"] for r in tx._all("queue_services", name=name)]
+            services = [r["service_name"] for r in tx.session.all("queue_services", name=name)]
             if services:
                 raise exceptions.InUse(
                     f"queue {name!r} is used by services {services}", hint="drop them first"
                 )
-            tx._execute("queue_delete", name=name)
+            tx.session.execute("queue_delete", name=name)
 
     # --- services --------------------------------------------------------------------
 
@@ -354,17 +361,17 @@ class CatalogOperations:
         """
         name = checks.name(name, "service name")
         with self._operation() as tx:
-            if tx._one("service_get", name=name):
+            if tx.session.one("service_get", name=name):
                 raise exceptions.AlreadyExists(f"service {name!r} already exists")
             tx._queue(queue)
             for contract in dict.fromkeys(contracts):
-                if not tx._one("contract_exists", name=contract):
+                if not tx.session.one("contract_exists", name=contract):
                     raise exceptions.ContractNotFound(
                         f"service {name!r} names contract {contract!r}, which does not exist"
                     )
-            tx._execute("service_insert", name=name, queue=queue, now=time.time())
+            tx.session.execute("service_insert", name=name, queue=queue, now=time.time())
             for contract in dict.fromkeys(contracts):
-                tx._execute("service_contract_insert", name=name, contract=contract)
+                tx.session.execute("service_contract_insert", name=name, contract=contract)
 
     def alter_service(
         self,
@@ -381,9 +388,9 @@ class CatalogOperations:
         """
         with self._operation() as tx:
             service = tx._service(name)
-            accepted = {r["contract_name"] for r in tx._all("service_contracts", name=name)}
+            accepted = {r["contract_name"] for r in tx.session.all("service_contracts", name=name)}
             for contract in add_contracts:
-                if not tx._one("contract_exists", name=contract):
+                if not tx.session.one("contract_exists", name=contract):
                     raise exceptions.ContractNotFound(f"contract {contract!r} does not exist")
             for contract in drop_contracts:
                 if contract not in accepted:
@@ -392,19 +399,19 @@ class CatalogOperations:
                     )
             if queue is not None and queue != service["queue_name"]:
                 tx._queue(queue)
-                tx._execute("service_set_queue", name=name, queue=queue)
-                tx._execute("service_move_groups", name=name, queue=queue)
-                tx._execute("service_move_endpoints", name=name, queue=queue)
-                tx._execute("service_move_messages", name=name, queue=queue)
-                tx._execute("service_move_held", name=name, queue=queue)
+                tx.session.execute("service_set_queue", name=name, queue=queue)
+                tx.session.execute("service_move_groups", name=name, queue=queue)
+                tx.session.execute("service_move_endpoints", name=name, queue=queue)
+                tx.session.execute("service_move_messages", name=name, queue=queue)
+                tx.session.execute("service_move_held", name=name, queue=queue)
                 if tx._queue(queue).is_receive_enabled:
                     arrival.release_held(tx, queue)
-                tx._touched_queues.add(queue)
+                tx.session.touched(queue)
             for contract in dict.fromkeys(add_contracts):
                 if contract not in accepted:
-                    tx._execute("service_contract_insert", name=name, contract=contract)
+                    tx.session.execute("service_contract_insert", name=name, contract=contract)
             for contract in dict.fromkeys(drop_contracts):
-                tx._execute("service_contract_delete", name=name, contract=contract)
+                tx.session.execute("service_contract_delete", name=name, contract=contract)
 
     def service(self, name: str) -> dict[str, Any]:
         """A service: its queue and the contracts it accepts.
@@ -413,13 +420,13 @@ class CatalogOperations:
         """
         with self._operation() as tx:
             row = tx._service(name)
-            contracts = [r["contract_name"] for r in tx._all("service_contracts", name=name)]
+            contracts = [r["contract_name"] for r in tx.session.all("service_contracts", name=name)]
             return {"service_name": name, "queue_name": row["queue_name"], "contracts": contracts}
 
     def services(self) -> list[Mapping[str, Any]]:
         """Every service with its queue."""
         with self._operation() as tx:
-            return tx._all("service_list")
+            return tx.session.all("service_list")
 
     def drop_service(self, name: str) -> None:
         """DROP SERVICE.
@@ -429,11 +436,11 @@ class CatalogOperations:
         """
         with self._operation() as tx:
             tx._service(name)
-            if tx._scalar("service_endpoint_count", name=name):
+            if tx.session.scalar("service_endpoint_count", name=name):
                 raise exceptions.InUse(
                     f"service {name!r} still has conversations", hint="end them first"
                 )
-            tx._execute("service_delete", name=name)
+            tx.session.execute("service_delete", name=name)
 
     # --- event notifications -----------------------------------------------------------
 
@@ -459,17 +466,17 @@ class CatalogOperations:
                 f"event_type must be one of {', '.join(EVENT_TYPES)}, got {event_type!r}"
             )
         with self._operation() as tx:
-            if tx._one("event_notification_get", name=name):
+            if tx.session.one("event_notification_get", name=name):
                 raise exceptions.AlreadyExists(f"event notification {name!r} already exists")
             tx._queue(queue)
             _ensure_event_catalog(tx)
             tx._service(to_service)
-            if not tx._one("service_accepts", name=to_service, contract=EVENT_CONTRACT):
+            if not tx.session.one("service_accepts", name=to_service, contract=EVENT_CONTRACT):
                 raise exceptions.ServiceContractMismatch(
                     f"service {to_service!r} does not accept contract {EVENT_CONTRACT!r}",
                     hint=f"alter_service({to_service!r}, add_contracts=[{EVENT_CONTRACT!r}])",
                 )
-            tx._execute(
+            tx.session.execute(
                 "event_notification_insert",
                 name=name,
                 queue=queue,
@@ -477,8 +484,8 @@ class CatalogOperations:
                 to_service=to_service,
                 now=time.time(),
             )
-            tx._touched_queues.add(queue)
-            tx._catalog_changed = True
+            tx.session.touched(queue)
+            tx.session.catalog_changed()
 
     def drop_event_notification(self, name: str) -> None:
         """DROP EVENT NOTIFICATION.
@@ -486,26 +493,26 @@ class CatalogOperations:
         :raises NotFound: for an unknown name
         """
         with self._operation() as tx:
-            if not tx._one("event_notification_get", name=name):
+            if not tx.session.one("event_notification_get", name=name):
                 raise exceptions.NotFound(f"event notification {name!r} does not exist")
-            tx._execute("event_notification_delete", name=name)
-            tx._catalog_changed = True
+            tx.session.execute("event_notification_delete", name=name)
+            tx.session.catalog_changed()
 
     def event_notifications(self) -> list[Mapping[str, Any]]:
         """Every event notification."""
         with self._operation() as tx:
-            return tx._all("event_notification_list")
+            return tx.session.all("event_notification_list")
 
     def activated_tasks(self) -> list[Mapping[str, Any]]:
         """Readers running now (``sys.dm_broker_activated_tasks``)."""
         with self._operation() as tx:
-            return tx._all("task_list")
+            return tx.session.all("task_list")
 
     def queue_monitors(self) -> list[Mapping[str, Any]]:
         """Queue monitors with their state, last empty RECEIVE, readers running and
         messages ready (``sys.dm_broker_queue_monitors``)."""
         with self._operation() as tx:
-            return tx._all("monitor_list")
+            return tx.session.all("monitor_list")
 
     # --- priorities ------------------------------------------------------------------
 
@@ -534,10 +541,10 @@ class CatalogOperations:
         """
         name = checks.name(name, "priority name")
         with self._operation() as tx:
-            if tx._one("priority_get", name=name):
+            if tx.session.one("priority_get", name=name):
                 raise exceptions.AlreadyExists(f"priority {name!r} already exists")
             fields = _priority_fields(tx, name, contract, local_service, remote_service, level)
-            tx._execute("priority_insert", name=name, now=time.time(), **fields)
+            tx.session.execute("priority_insert", name=name, now=time.time(), **fields)
 
     def alter_priority(
         self,
@@ -563,7 +570,7 @@ class CatalogOperations:
                 current.remote_service_name if remote_service is _UNSET else remote_service,
                 current.priority_level if level is _UNSET else level,
             )
-            tx._execute("priority_update", name=name, **fields)
+            tx.session.execute("priority_update", name=name, **fields)
             return _priority(tx, name)
 
     def drop_priority(self, name: str) -> None:
@@ -573,12 +580,12 @@ class CatalogOperations:
         """
         with self._operation() as tx:
             _priority(tx, name)
-            tx._execute("priority_delete", name=name)
+            tx.session.execute("priority_delete", name=name)
 
     def conversation_priorities(self) -> list[ConversationPriority]:
         """Every priority (``sys.conversation_priorities``)."""
         with self._operation() as tx:
-            return [ConversationPriority.from_row(r) for r in tx._all("priority_list")]
+            return [ConversationPriority.from_row(r) for r in tx.session.all("priority_list")]
 
     def set_honor_broker_priority(self, honor: bool) -> None:
         """ALTER DATABASE ... SET HONOR_BROKER_PRIORITY: whether the transmission queue
@@ -586,14 +593,14 @@ class CatalogOperations:
         if not isinstance(honor, bool):
             raise exceptions.InvalidArgument(f"honor must be True or False, got {honor!r}")
         with self._operation() as tx:
-            tx._execute(
+            tx.session.execute(
                 "setting_set", name="honor_broker_priority", value="true" if honor else "false"
             )
 
     def honor_broker_priority(self) -> bool:
         """Whether the transmission queue honours priority levels."""
         with self._operation() as tx:
-            return tx._scalar("setting_get", name="honor_broker_priority") == "true"
+            return tx.session.scalar("setting_get", name="honor_broker_priority") == "true"
 
 
 def _ensure_event_catalog(tx: Transaction) -> None:
@@ -601,8 +608,8 @@ def _ensure_event_catalog(tx: Transaction) -> None:
     ``EventNotificationService`` on ``EventNotificationQueue`` (the ``EventNotification``
     message type and ``PostEventNotification`` contract exist in every broker)."""
     now = time.time()
-    if not tx._one("queue_get", name=EVENT_QUEUE):
-        tx._execute(
+    if not tx.session.one("queue_get", name=EVENT_QUEUE):
+        tx.session.execute(
             "queue_insert",
             now=now,
             **_queue_settings(
@@ -619,12 +626,12 @@ def _ensure_event_catalog(tx: Transaction) -> None:
                 eager_activation=False,
             ),
         )
-    if not tx._one("service_get", name=EVENT_SERVICE):
-        tx._execute("service_insert", name=EVENT_SERVICE, queue=EVENT_QUEUE, now=now)
+    if not tx.session.one("service_get", name=EVENT_SERVICE):
+        tx.session.execute("service_insert", name=EVENT_SERVICE, queue=EVENT_QUEUE, now=now)
 
 
 def _priority(tx: Transaction, name: str) -> ConversationPriority:
-    row = tx._one("priority_get", name=name)
+    row = tx.session.one("priority_get", name=name)
     if row is None:
         raise exceptions.NotFound(f"priority {name!r} does not exist")
     return ConversationPriority.from_row(row)
@@ -642,7 +649,7 @@ def _priority_fields(
         raise exceptions.InvalidArgument(
             f"priority {name!r}: level must be an integer from 1 to 10, got {level!r}"
         )
-    if contract is not None and not tx._one("contract_exists", name=contract):
+    if contract is not None and not tx.session.one("contract_exists", name=contract):
         raise exceptions.ContractNotFound(
             f"priority {name!r} names contract {contract!r}, which does not exist"
         )
@@ -650,7 +657,7 @@ def _priority_fields(
         tx._service(local_service)
     if remote_service is not None:
         checks.name(remote_service, "remote service name")
-    clash = tx._scalar(
+    clash = tx.session.scalar(
         "priority_same_match",
         name=name,
         contract=contract,

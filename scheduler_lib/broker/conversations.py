@@ -77,16 +77,18 @@ class ConversationOperations:
         with self._operation() as tx:
             initiator = tx._service(from_service)
             # A service this broker hosts is local; another broker's is reached by route.
-            is_remote = tx._one("service_get", name=to_service) is None
+            is_remote = tx.session.one("service_get", name=to_service) is None
             if is_remote and routes.remote_route(tx, to_service) is None:
                 raise exceptions.ServiceNotFound(
                     f"service {to_service!r} does not exist here and no route leads to it",
                     hint=f"create_route('...', {to_service!r}, 'tcp://host:port')",
                 )
-            if not tx._one("contract_exists", name=contract):
+            if not tx.session.one("contract_exists", name=contract):
                 raise exceptions.ContractNotFound(f"contract {contract!r} does not exist")
             # A remote service's contracts are the far broker's to check, on arrival.
-            if not is_remote and not tx._one("service_accepts", name=to_service, contract=contract):
+            if not is_remote and not tx.session.one(
+                "service_accepts", name=to_service, contract=contract
+            ):
                 raise exceptions.ServiceContractMismatch(
                     f"service {to_service!r} does not accept contract {contract!r}",
                     hint=f"alter_service({to_service!r}, add_contracts=[{contract!r}])",
@@ -103,7 +105,7 @@ class ConversationOperations:
                 group_id = str(related.conversation_group_id)
             elif related_group is not None:
                 group_id = checks.handle(related_group, "related_group")
-                existing = tx._one("group_get", group_id=group_id)
+                existing = tx.session.one("group_get", group_id=group_id)
                 if existing and existing["queue_name"] != queue:
                     raise exceptions.InvalidArgument(
                         f"conversation group {group_id} belongs to queue "
@@ -111,9 +113,9 @@ class ConversationOperations:
                     )
             else:
                 group_id = str(uuid.uuid4())
-            tx._execute("group_insert", group_id=group_id, queue=queue, now=now)
+            tx.session.execute("group_insert", group_id=group_id, queue=queue, now=now)
             handle = uuid.uuid4()
-            tx._execute(
+            tx.session.execute(
                 "endpoint_insert",
                 handle=str(handle),
                 conversation_id=str(uuid.uuid4()),
@@ -128,7 +130,7 @@ class ConversationOperations:
                 now=now,
                 is_remote=is_remote,
             )
-            tx._wrote = True
+            tx.session.mark_written()
             return handle
 
     def send(
@@ -169,7 +171,7 @@ class ConversationOperations:
         if completing is not None or before is not None:
             # A transaction: a lost lease must undo the SEND, and the row goes with it
             with self._operation() as tx:
-                data = checks.body_bytes(body, tx._broker.max_message_size)
+                data = checks.body_bytes(body, tx.broker.max_message_size)
                 lease_id = None if completing is None else completing.lease_id
                 seq, ran = tx._send_fast(handle, message_type, data, lease_id, before)
                 if before is not None and not ran:
@@ -180,7 +182,7 @@ class ConversationOperations:
                     tx.complete(completing)
                 return tx._send_checked(handle, message_type, data)
         with self._single_statement() as tx:
-            data = checks.body_bytes(body, tx._broker.max_message_size)
+            data = checks.body_bytes(body, tx.broker.max_message_size)
             seq, _ = tx._send_fast(handle, message_type, data)
             if seq is not None:
                 return seq
@@ -213,7 +215,7 @@ class ConversationOperations:
         if not bodies:
             return []
         with self._operation() as tx:
-            data = [checks.body_bytes(b, tx._broker.max_message_size) for b in bodies]
+            data = [checks.body_bytes(b, tx.broker.max_message_size) for b in bodies]
             first, ran = tx._send_many_fast(handle, message_type, data, before)
             if before is not None and not ran:
                 tx.run(before[0], **before[1])
@@ -264,19 +266,21 @@ class ConversationOperations:
         looked = None
         if group_id is None:
             with self._single_statement() as tx:
-                seen = tx._broker._wakeups.generation(queue)
+                seen = tx.broker._wakeups.generation(queue)
                 try:
                     found = tx._receive_fast(queue, top, handle)
                 except exceptions.ConnectionLost as exc:
-                    if not tx._autocommit or tx._connection is None:
+                    if not tx.session.autocommit or not tx.session.connected:
                         raise  # not connected: it took nothing, and is run again
                     # In autocommit the RECEIVE commits as it runs: lost before its reply,
                     # it may have taken messages, which only the caller can find again.
                     raise exceptions.ConnectionLost(str(exc), committing=True) from exc
                 if found:
-                    tx._received_queues.add(queue)
+                    tx.session.received_from(queue)
                     return found
-                if tx._store.has("receive_fast"):  # that look ran: the wait need not repeat it
+                if tx.session.store.has(
+                    "receive_fast"
+                ):  # that look ran: the wait need not repeat it
                     looked = seen
         with self._operation() as tx:
             return tx._wait_for(
@@ -311,7 +315,7 @@ class ConversationOperations:
         group_id = checks.handle(group, "conversation group id")
         with self._operation() as tx:
             endpoint = tx._endpoint(handle)
-            target = tx._one("group_get", group_id=group_id)
+            target = tx.session.one("group_get", group_id=group_id)
             if target is None or target["queue_name"] != endpoint.queue_name:
                 raise exceptions.ConversationGroupNotFound(
                     f"conversation group {group_id} is not a group of queue {endpoint.queue_name!r}"
@@ -326,7 +330,7 @@ class ConversationOperations:
                 if old == group_id:
                     return
                 for group_to_lock in sorted({old, group_id} - locked):
-                    if tx._scalar("group_lock", group_id=group_to_lock) is not None:
+                    if tx.session.scalar("group_lock", group_id=group_to_lock) is not None:
                         locked.add(group_to_lock)
                     elif group_to_lock == group_id:  # emptied and dropped while we waited
                         raise exceptions.ConversationGroupNotFound(
@@ -335,10 +339,10 @@ class ConversationOperations:
                 endpoint = tx._endpoint(handle)
                 if str(endpoint.conversation_group_id) == old:
                     break
-            tx._execute("endpoint_move", handle=handle, group_id=group_id)
-            tx._execute("messages_move", handle=handle, group_id=group_id)
-            tx._execute("group_delete_if_empty", group_id=old)
-            tx._wrote = True
+            tx.session.execute("endpoint_move", handle=handle, group_id=group_id)
+            tx.session.execute("messages_move", handle=handle, group_id=group_id)
+            tx.session.execute("group_delete_if_empty", group_id=old)
+            tx.session.mark_written()
 
     def end_conversation(
         self,
@@ -366,7 +370,7 @@ class ConversationOperations:
         elif description is not None:
             raise exceptions.InvalidArgument("description is only allowed with an error code")
         with self._operation() as tx:
-            tx._wrote = True
+            tx.session.mark_written()
             endpoint, far = lock_for_end(tx, handle, cleanup=cleanup)
             if cleanup:
                 tx._close(endpoint, cleanup=True)
@@ -377,7 +381,7 @@ class ConversationOperations:
             # END cancels the endpoint's conversation timer: an ended conversation can
             # receive nothing more, so no DialogTimer may arrive for it (an endpoint
             # waiting in DISCONNECTED_OUTBOUND for the far side's END stays a while).
-            tx._execute("timer_clear", handle=handle)
+            tx.session.execute("timer_clear", handle=handle)
             if endpoint.is_remote:
                 tx._end_remote(endpoint, error, description)
                 return
@@ -387,13 +391,13 @@ class ConversationOperations:
                 if far is not None and far.state is EndpointState.DISCONNECTED_OUTBOUND:
                     tx._close(far)
                 return
-            tx._execute("messages_delete_conversation", handle=handle)
-            tx._execute("transmission_delete_conversation", handle=handle)
+            tx.session.execute("messages_delete_conversation", handle=handle)
+            tx.session.execute("transmission_delete_conversation", handle=handle)
             if far.state is EndpointState.DISCONNECTED_OUTBOUND:
                 tx._close(far)
                 tx._close(endpoint)
                 return
-            seq = tx._scalar("endpoint_take_system_sequence", handle=handle)
+            seq = tx.session.scalar("endpoint_take_system_sequence", handle=handle)
             if error is None:
                 tx._enqueue_at(far, int(seq), END_DIALOG, None)
                 far_state = EndpointState.DISCONNECTED_INBOUND
@@ -403,10 +407,10 @@ class ConversationOperations:
                 # receives an Error (they stay receivable after it): see ERROR_SEQUENCE.
                 tx._enqueue_at(far, ERROR_SEQUENCE, ERROR, body)
                 far_state = EndpointState.ERROR
-            tx._execute(
+            tx.session.execute(
                 "endpoint_set_state", handle=str(far.conversation_handle), state=far_state.value
             )
-            tx._execute(
+            tx.session.execute(
                 "endpoint_set_state", handle=handle, state=EndpointState.DISCONNECTED_OUTBOUND.value
             )
 
@@ -426,9 +430,9 @@ class ConversationOperations:
             if endpoint.state in (EndpointState.CLOSED, EndpointState.DISCONNECTED_OUTBOUND):
                 raise state_error(endpoint, "set a timer on")
             due = time.time() + seconds
-            tx._execute("endpoint_set_timer", handle=handle, due=due)
-            tx._deadline(due)
-            tx._wrote = True
+            tx.session.execute("endpoint_set_timer", handle=handle, due=due)
+            tx.session.deadline(due)
+            tx.session.mark_written()
 
     def conversation_endpoint(self, conversation_handle: uuid.UUID | str) -> ConversationEndpoint:
         """One endpoint (a row of ``sys.conversation_endpoints``).
@@ -442,18 +446,18 @@ class ConversationOperations:
     def conversation_endpoints(self) -> list[ConversationEndpoint]:
         """Every endpoint (``sys.conversation_endpoints``)."""
         with self._operation() as tx:
-            return [ConversationEndpoint.from_row(r) for r in tx._all("endpoint_list")]
+            return [ConversationEndpoint.from_row(r) for r in tx.session.all("endpoint_list")]
 
     def peek(self, queue: str) -> list[Message]:
         """The queue's rows without receiving them (``SELECT * FROM queue``)."""
         with self._operation() as tx:
             tx._queue(queue)
-            return [Message.from_row(r) for r in tx._all("queue_peek", name=queue)]
+            return [Message.from_row(r) for r in tx.session.all("queue_peek", name=queue)]
 
     def transmission_queue(self) -> list[Mapping[str, Any]]:
         """Messages waiting to be delivered (``sys.transmission_queue``)."""
         with self._operation() as tx:
-            return tx._all("transmission_list")
+            return tx.session.all("transmission_list")
 
 
 class _LockAgain(Exception):
@@ -477,11 +481,11 @@ def lock_for_end(
     while True:
         far = None if endpoint.is_remote else tx._far_endpoint(endpoint, create=False)
         for group_id in sorted(_groups_to_lock(endpoint, far, cleanup) - locked):
-            tx._execute("group_lock", group_id=group_id)  # gone: the re-read below tells
+            tx.session.execute("group_lock", group_id=group_id)  # gone: the re-read below tells
             locked.add(group_id)
         try:
             with tx.savepoint():
-                tx._execute("endpoints_lock", conversation_id=str(endpoint.conversation_id))
+                tx.session.execute("endpoints_lock", conversation_id=str(endpoint.conversation_id))
                 endpoint = tx._endpoint(handle)
                 far = None if endpoint.is_remote else tx._far_endpoint(endpoint, create=False)
                 if not _groups_to_lock(endpoint, far, cleanup) <= locked:

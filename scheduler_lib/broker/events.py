@@ -48,21 +48,21 @@ def post(
 
     :return: how many subscribers it was posted to
     """
-    subscribers = tx._all("event_notifications_for", queue=queue, event_type=event_type)
+    subscribers = tx.session.all("event_notifications_for", queue=queue, event_type=event_type)
     if not subscribers:
         return 0
     body = json.dumps(
         {
             "EventType": event_type,
             "PostTime": time.time() if now is None else now,
-            "DatabaseName": tx._broker.url.database,
+            "DatabaseName": tx.broker.url.database,
             "ObjectName": queue,
             **(fields or {}),
         }
     )
     for subscriber in subscribers:
         handle = subscriber["conversation_handle"]
-        row = None if handle is None else tx._one("endpoint_get", handle=handle)
+        row = None if handle is None else tx.session.one("endpoint_get", handle=handle)
         if row is not None and ConversationEndpoint.from_row(row).state not in SENDABLE:
             # The subscriber ended the dialog (or it failed): leave it and open a new one.
             with contextlib.suppress(BrokerError):
@@ -72,7 +72,7 @@ def post(
             handle = str(
                 tx.begin_dialog(EVENT_SERVICE, subscriber["to_service_name"], EVENT_CONTRACT)
             )
-            tx._execute(
+            tx.session.execute(
                 "event_notification_set_dialog",
                 name=subscriber["notification_name"],
                 handle=handle,

@@ -351,9 +351,9 @@ class PoisonOperations:
                 resolve(d.callback, "Notify callback")  # fail now, not when routing
         with self._operation() as tx:
             tx._queue(queue)
-            tx._execute("poison_policy_delete", queue=queue)
+            tx.session.execute("poison_policy_delete", queue=queue)
             if policy is not None:
-                tx._execute(
+                tx.session.execute(
                     "poison_policy_insert",
                     queue=queue,
                     threshold=policy.threshold,
@@ -400,7 +400,7 @@ class PoisonOperations:
         :return: how many records were deleted
         """
         with self._operation() as tx:
-            return tx._count(
+            return tx.session.count(
                 "poison_history_delete",
                 handle=str(message.conversation_handle),
                 seq=message.message_sequence_number,
@@ -412,7 +412,7 @@ class PoisonOperations:
         """Every failure and parking recorded for one message, oldest first."""
         handle = checks.handle(conversation_handle)
         with self._operation() as tx:
-            return tx._all("poison_history", handle=handle, seq=int(message_sequence_number))
+            return tx.session.all("poison_history", handle=handle, seq=int(message_sequence_number))
 
     # the poison-message log and holding queue
 
@@ -423,7 +423,7 @@ class PoisonOperations:
         if state is not None and state.upper() not in ("LOGGED", "PARKED"):
             raise exceptions.InvalidArgument(f"state must be LOGGED or PARKED, got {state!r}")
         with self._operation() as tx:
-            rows = tx._all(
+            rows = tx.session.all(
                 "poison_message_list", queue=queue, state=None if state is None else state.upper()
             )
             return [PoisonMessage.from_row(r) for r in rows]
@@ -449,7 +449,7 @@ class PoisonOperations:
         with self._operation() as tx:
             for poison_id in ids:
                 row = _poison_row(tx, poison_id)
-                endpoint = tx._one("endpoint_get", handle=row["conversation_handle"])
+                endpoint = tx.session.one("endpoint_get", handle=row["conversation_handle"])
                 if endpoint is None:
                     raise exceptions.ConversationNotFound(
                         f"poison message {poison_id}: its conversation "
@@ -464,8 +464,8 @@ class PoisonOperations:
                         "nothing would read it; `scheduler-lib poison show` prints its body"
                     )
                 message = _message(row)
-                tx._execute("poison_message_delete", poison_id=poison_id)
-                tx._execute(
+                tx.session.execute("poison_message_delete", poison_id=poison_id)
+                tx.session.execute(
                     "poison_history_delete",
                     handle=row["conversation_handle"],
                     seq=row["message_sequence_number"],
@@ -483,8 +483,8 @@ class PoisonOperations:
         with self._operation() as tx:
             for poison_id in ids:
                 row = _poison_row(tx, poison_id)
-                tx._execute("poison_message_delete", poison_id=poison_id)
-                tx._execute(
+                tx.session.execute("poison_message_delete", poison_id=poison_id)
+                tx.session.execute(
                     "poison_history_delete",
                     handle=row["conversation_handle"],
                     seq=row["message_sequence_number"],
@@ -534,7 +534,7 @@ class PoisonOperations:
                 return list(taken)
         with self._operation() as tx:
             if not durable:
-                tx._commit_without_flush()
+                tx.session.commit_without_flush()
             messages = tx.receive(queue, top, timeout)
             now = time.time()
             leases = [
@@ -542,7 +542,7 @@ class PoisonOperations:
             ]
             for held in leases:
                 m = held.message
-                tx._execute(
+                tx.session.execute(
                     "lease_insert",
                     lease_id=held.lease_id,
                     queue_name=m.queue_name,
@@ -560,7 +560,7 @@ class PoisonOperations:
                     expires_at=held.expires_at,
                 )
             if leases:
-                tx._deadline(min(held.expires_at for held in leases))
+                tx.session.deadline(min(held.expires_at for held in leases))
             return leases
 
     def renew(self, lease: Lease) -> float:
@@ -571,11 +571,11 @@ class PoisonOperations:
         """
         now = time.time()
         with self._operation() as tx:
-            if not tx._count(
+            if not tx.session.count(
                 "lease_renew", lease_id=lease.lease_id, now=now, expires_at=now + lease.duration
             ):
                 raise _lost(lease)
-            tx._wrote = True
+            tx.session.mark_written()
         return now + lease.duration
 
     def complete(self, lease: Lease) -> None:
@@ -586,9 +586,9 @@ class PoisonOperations:
             queue or to its disposition) — the answer must not be sent; roll back
         """
         with self._operation() as tx:
-            if not tx._count("lease_delete", lease_id=lease.lease_id):
+            if not tx.session.count("lease_delete", lease_id=lease.lease_id):
                 raise _lost(lease)
-            tx._wrote = True
+            tx.session.mark_written()
 
     def abandon(self, lease: Lease, error: BaseException | str | None = None) -> str:
         """Give the message back: its failure is recorded and the queue's poison policy
@@ -598,7 +598,7 @@ class PoisonOperations:
         :raises LeaseLost: when the lease already expired or ended
         """
         with self._operation() as tx:
-            row = tx._one("lease_get", lease_id=lease.lease_id)
+            row = tx.session.one("lease_get", lease_id=lease.lease_id)
             if row is None:
                 raise _lost(lease)
             return _fail_leased(tx, row, "FAILED", _error_text(error))
@@ -607,7 +607,7 @@ class PoisonOperations:
         """Whether the lease still exists (not expired, completed, abandoned — nor undone
         by a server crash, for a take that committed without the WAL flush)."""
         with self._operation() as tx:
-            return tx._one("lease_get", lease_id=lease.lease_id) is not None
+            return tx.session.one("lease_get", lease_id=lease.lease_id) is not None
 
     def release(self, lease: Lease) -> None:
         """Give the message back untouched: the work never began (its start could not
@@ -616,11 +616,11 @@ class PoisonOperations:
         :raises LeaseLost: when the lease already expired or ended
         """
         with self._operation() as tx:
-            row = tx._one("lease_get", lease_id=lease.lease_id)
+            row = tx.session.one("lease_get", lease_id=lease.lease_id)
             if row is None:
                 raise _lost(lease)
-            tx._execute("lease_delete", lease_id=lease.lease_id)
-            endpoint = tx._one("endpoint_get", handle=row["conversation_handle"])
+            tx.session.execute("lease_delete", lease_id=lease.lease_id)
+            endpoint = tx.session.one("endpoint_get", handle=row["conversation_handle"])
             if endpoint is not None:
                 _requeue(tx, _message(row), ConversationEndpoint.from_row(endpoint))
 
@@ -629,7 +629,7 @@ class PoisonOperations:
         with self._operation() as tx:
             return [
                 {k: v for k, v in r.items() if k != "message_body"}
-                for r in tx._all("lease_list", queue=queue)
+                for r in tx.session.all("lease_list", queue=queue)
             ]
 
 
@@ -649,7 +649,7 @@ def _lost(lease: Lease) -> exceptions.LeaseLost:
 
 
 def _poison_row(tx: Transaction, poison_id: int) -> Mapping[str, Any]:
-    row = tx._one("poison_message_get", poison_id=poison_id)
+    row = tx.session.one("poison_message_get", poison_id=poison_id)
     if row is None:
         raise exceptions.NotFound(f"poison message {poison_id} does not exist")
     return row
@@ -660,14 +660,14 @@ def _poison_row(tx: Transaction, poison_id: int) -> Mapping[str, Any]:
 
 def policy_for(tx: Transaction, queue: str) -> PoisonPolicy:
     """The queue's stored policy, else the default."""
-    row = tx._one("poison_policy_get", queue=queue)
+    row = tx.session.one("poison_policy_get", queue=queue)
     if row is None:
         return PoisonPolicy()
     return PoisonPolicy.from_stored(row["threshold"], row["dispositions"])
 
 
 def history(tx: Transaction, message: Message) -> History:
-    rows = tx._all(
+    rows = tx.session.all(
         "poison_history",
         handle=str(message.conversation_handle),
         seq=message.message_sequence_number,
@@ -691,7 +691,7 @@ def _summarize(rows: Sequence[Mapping[str, Any]]) -> History:
 def _record(
     tx: Transaction, message: Message, kind: str, error: str | None, worker: str | None
 ) -> None:
-    tx._execute(
+    tx.session.execute(
         "poison_incident_insert",
         queue=message.queue_name,
         handle=str(message.conversation_handle),
@@ -702,7 +702,7 @@ def _record(
         worker=worker,
         now=time.time(),
     )
-    tx._wrote = True
+    tx.session.mark_written()
 
 
 def count_rollbacks(tx: Transaction, queues: Iterable[str]) -> list[str]:
@@ -713,15 +713,15 @@ def count_rollbacks(tx: Transaction, queues: Iterable[str]) -> list[str]:
     disabled = []
     now = time.time()
     for queue in sorted(queues):
-        count = tx._scalar("queue_count_rollback", name=queue)
-        tx._wrote = True
+        count = tx.session.scalar("queue_count_rollback", name=queue)
+        tx.session.mark_written()
         if count is None or int(count) < ROLLBACK_LIMIT:
             continue
         reason = (
             f"poison message handling: {int(count)} consecutive rollbacks of transactions "
             "that received from it"
         )
-        if tx._count("queue_disable", name=queue, reason=reason, now=now):
+        if tx.session.count("queue_disable", name=queue, reason=reason, now=now):
             try:
                 with tx.savepoint():  # the queue goes off even if a subscriber is broken
                     events.post(
@@ -729,10 +729,10 @@ def count_rollbacks(tx: Transaction, queues: Iterable[str]) -> list[str]:
                     )
             except Exception:
                 log.exception("posting BROKER_QUEUE_DISABLED for %s failed", queue)
-            tx._catalog_changed = True  # monitors stop activating it
-            tx._touched_queues.add(queue)  # waiting receivers wake and see it is off
+            tx.session.catalog_changed()  # monitors stop activating it
+            tx.session.touched(queue)  # waiting receivers wake and see it is off
             disabled.append(queue)
-            tx._add_count(counters.DISABLED, queue)
+            tx.session.tally(counters.DISABLED, queue)
             log.error("queue %s disabled: %s", queue, reason)
     return disabled
 
@@ -750,8 +750,8 @@ def route(
     if park is not None and hist.cycles < park.max_cycles:
         _keep(tx, message, "PARKED", hist, "park", now, redeliver_at=now + park.delay)
         _record(tx, message, "PARKED", None, None)
-        tx._deadline(now + park.delay)
-        tx._add_count(counters.POISON, message.queue_name, park.kind)
+        tx.session.deadline(now + park.delay)
+        tx.session.tally(counters.POISON, message.queue_name, park.kind)
         log.warning(
             "poison message %s/%s parked for %s s (cycle %s of %s) after %s failures",
             handle,
@@ -774,7 +774,7 @@ def route(
         elif isinstance(d, EndConversation):
             ended = _end_with_error(tx, message, d, hist)
     for d in rest:
-        tx._add_count(counters.POISON, message.queue_name, d.kind)
+        tx.session.tally(counters.POISON, message.queue_name, d.kind)
     log.warning(
         "poison message %s/%s (%s) routed to %s after %s failures: %s",
         handle,
@@ -842,7 +842,7 @@ def _keep(
     *,
     redeliver_at: float | None = None,
 ) -> int:
-    poison_id = tx._scalar(
+    poison_id = tx.session.scalar(
         "poison_message_insert",
         state=state,
         queue=message.queue_name,
@@ -862,7 +862,7 @@ def _keep(
         now=now,
         redeliver_at=redeliver_at,
     )
-    tx._wrote = True
+    tx.session.mark_written()
     return int(poison_id)
 
 
@@ -893,12 +893,12 @@ def _requeue(tx: Transaction, message: Message, endpoint: ConversationEndpoint) 
 def _fail_leased(tx: Transaction, row: Mapping[str, Any], kind: str, error: str | None) -> str:
     """A leased message failed (abandoned, or its heartbeat ran out): count it, then
     retry it or route it per the queue's policy."""
-    tx._execute("lease_delete", lease_id=row["lease_id"])
+    tx.session.execute("lease_delete", lease_id=row["lease_id"])
     message = _message(row)
     _record(tx, message, kind, error, row["worker"])
     hist = history(tx, message)
     policy = policy_for(tx, message.queue_name)
-    endpoint = tx._one("endpoint_get", handle=row["conversation_handle"])
+    endpoint = tx.session.one("endpoint_get", handle=row["conversation_handle"])
     if hist.failures < policy.threshold and endpoint is not None:
         _requeue(tx, message, ConversationEndpoint.from_row(endpoint))
         log.warning(
@@ -918,7 +918,7 @@ def expire_leases(tx: Transaction, now: float, recovered_at: float = 0.0, limit:
     """Leases whose heartbeat ran out are silent failures — once their worker had a whole
     lease to renew them since the database came back (``recovered_at``, epoch seconds)."""
     expired = 0
-    for row in tx._all("leases_expired", now=now, recovered_at=recovered_at, limit=limit):
+    for row in tx.session.all("leases_expired", now=now, recovered_at=recovered_at, limit=limit):
         silent = now - float(row["heartbeat_at"])
         _fail_leased(
             tx,
@@ -934,20 +934,20 @@ def expire_leases(tx: Transaction, now: float, recovered_at: float = 0.0, limit:
 def redeliver_parked(tx: Transaction, now: float, limit: int = 100) -> int:
     """Parked messages whose delay is over go back on their conversation's queue."""
     returned = 0
-    for row in tx._all("parked_due", now=now, limit=limit):
-        endpoint = tx._one("endpoint_get", handle=row["conversation_handle"])
+    for row in tx.session.all("parked_due", now=now, limit=limit):
+        endpoint = tx.session.one("endpoint_get", handle=row["conversation_handle"])
         if endpoint is None:
             # The conversation ended while the message was parked: keep it for an operator.
-            tx._execute(
+            tx.session.execute(
                 "poison_message_to_log",
                 poison_id=row["poison_id"],
                 last_error="its conversation ended while it was parked",
                 dispositions="park,log",
             )
         else:
-            tx._execute("poison_message_delete", poison_id=row["poison_id"])
+            tx.session.execute("poison_message_delete", poison_id=row["poison_id"])
             _requeue(tx, _message(row), ConversationEndpoint.from_row(endpoint))
-        tx._wrote = True
+        tx.session.mark_written()
         returned += 1
     return returned
 
@@ -1025,7 +1025,7 @@ class PoisonDetector:
                     outcomes.append(Outcome(message, "discarded"))
                     continue
                 if handle not in histories:
-                    histories[handle] = tx._all("poison_history_conversation", handle=handle)
+                    histories[handle] = tx.session.all("poison_history_conversation", handle=handle)
                 hist = _summarize(
                     [
                         r
@@ -1043,7 +1043,7 @@ class PoisonDetector:
                 handler(tx, message)
                 current = None
                 if hist.incidents:
-                    tx._execute(
+                    tx.session.execute(
                         "poison_history_delete", handle=handle, seq=message.message_sequence_number
                     )
                 outcomes.append(Outcome(message, "handled"))

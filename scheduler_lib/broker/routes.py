@@ -113,10 +113,12 @@ class RouteOperations:
         service = checks.name(service_name, "service name")
         values = {"address": _address(address), "broker_instance": _instance(broker_instance)}
         with self._operation() as tx:
-            if tx._one("route_get", name=name) is not None:
+            if tx.session.one("route_get", name=name) is not None:
                 raise exceptions.AlreadyExists(f"route {name!r} already exists")
-            tx._execute("route_insert", name=name, service=service, now=time.time(), **values)
-            tx._wrote = True
+            tx.session.execute(
+                "route_insert", name=name, service=service, now=time.time(), **values
+            )
+            tx.session.mark_written()
             return Route.from_row(_required(tx, name))
 
     def alter_route(
@@ -133,7 +135,7 @@ class RouteOperations:
         """
         with self._operation() as tx:
             route = Route.from_row(_required(tx, name))
-            tx._execute(
+            tx.session.execute(
                 "route_update",
                 name=name,
                 service=route.remote_service_name
@@ -144,7 +146,7 @@ class RouteOperations:
                 if broker_instance is None
                 else _instance(broker_instance),
             )
-            tx._wrote = True
+            tx.session.mark_written()
             return Route.from_row(_required(tx, name))
 
     def drop_route(self, name: str) -> None:
@@ -155,28 +157,30 @@ class RouteOperations:
         """
         with self._operation() as tx:
             _required(tx, name)
-            tx._execute("route_delete", name=name)
-            tx._wrote = True
+            tx.session.execute("route_delete", name=name)
+            tx.session.mark_written()
 
     def routes(self) -> list[Route]:
         """Every route (``sys.routes``)."""
         with self._operation() as tx:
-            return [Route.from_row(r) for r in tx._all("route_list")]
+            return [Route.from_row(r) for r in tx.session.all("route_list")]
 
     @property
     def broker_instance(self) -> str:
         """This broker's id (``service_broker_guid``), made when its schema was created."""
         with self._operation() as tx:
-            instance = tx._scalar("setting_get", name="broker_instance")
+            instance = tx.session.scalar("setting_get", name="broker_instance")
             if instance is None:  # the first asker names the broker; a racing one agrees
-                tx._execute("setting_insert_once", name="broker_instance", value=str(uuid.uuid4()))
-                tx._wrote = True
-                instance = tx._scalar("setting_get", name="broker_instance")
+                tx.session.execute(
+                    "setting_insert_once", name="broker_instance", value=str(uuid.uuid4())
+                )
+                tx.session.mark_written()
+                instance = tx.session.scalar("setting_get", name="broker_instance")
             return str(instance)
 
 
 def _required(tx: Transaction, name: str) -> Mapping[str, Any]:
-    row = tx._one("route_get", name=name)
+    row = tx.session.one("route_get", name=name)
     if row is None:
         raise exceptions.NotFound(f"route {name!r} does not exist")
     return row
@@ -185,7 +189,7 @@ def _required(tx: Transaction, name: str) -> Mapping[str, Any]:
 def remote_route(tx: Transaction, service: str) -> Route | None:
     """The route that takes ``service`` to another broker, or ``None`` (no route, or
     only ``LOCAL`` ones)."""
-    for row in tx._all("routes_for_service", service=service):
+    for row in tx.session.all("routes_for_service", service=service):
         route = Route.from_row(row)
         if not route.is_local:
             return route

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import connections, counters, exceptions, store, wakeup
+from scheduler_lib.broker import counters, exceptions, wakeup
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import (
@@ -35,6 +35,7 @@ from scheduler_lib.broker.models import (
 )
 from scheduler_lib.broker.poison import PoisonOperations
 from scheduler_lib.broker.routes import RouteOperations
+from scheduler_lib.broker.session import Session
 from scheduler_lib.broker.store import Row
 
 if TYPE_CHECKING:
@@ -61,24 +62,10 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         self, broker: Broker, *, autocommit: bool = False, engine: sa.Engine | None = None
     ) -> None:
         self._broker = broker
-        self._autocommit = autocommit  # only for single-statement operations
-        self._engine = engine  # another engine's connections (Broker.snapshot), no gate
         self._store = broker._store
-        self._connection: sa.Connection | None = None
-        self._wrote = False
-        self._finished = False
-        self._touched_queues: set[str] = set()  # got messages: wake local waiters
-        self._notified_queues: set[str] = set()  # already NOTIFYed by the statement itself
-        self._received_queues: set[str] = set()  # their monitors re-check at our end
-        self._receipts: set[str] = set()  # RECEIVE got messages: a rollback is counted
-        self._next_deadline: float | None = None  # soonest timer/lease/park this tx set
-        self._catalog_changed = False  # activation runtimes look at the catalog again
-        self._transmitted = False  # put messages in the transmission queue: wake the transport
-        self._queue_cache: dict[str, QueueInfo] | None = None  # set by the transport's batches
-        self._in_gate = False
-        self._lost = False  # ended by a lost connection
-        # What it did, counted once it commits (counters.add): (what, *labels) -> n
-        self._tally: dict[tuple[str, ...], int] = {}
+        #: the connection and what this transaction's operations did (the broker's own
+        #: operations use it; a layer above uses the named-query methods below)
+        self.session = Session(broker, autocommit=autocommit, engine=engine)
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -86,215 +73,30 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._finished:
+        if self.session.finished:
             return
         if exc_type is None:
-            self.commit()
+            self.session.commit()
             return
-        said: Exception | None = None
-        if isinstance(exc, sa.exc.DBAPIError) and self._connection is not None:
-            # A driver error that came past the one door (SQLAlchemy ran a statement of
-            # its own): said as the broker says it, so that a lost connection is ridden
-            # through like any other instead of ending the caller's loop
-            said = store.dbapi_error(self._connection, "a statement", exc)
-        # A lost connection is not the messages' fault: it is not counted as a
-        # rollback by poison message detection (an outage would disable queues).
-        self._lost = isinstance(said or exc, exceptions.ConnectionLost)
-        self.rollback()
-        if said is not None:
-            raise said from exc
+        self.session.end_on(exc)
 
     def commit(self) -> None:
         """Commit, then wake local waiters on the queues that got messages."""
-        self._check_open()
-        self._finished = True
-        conn = self._connection
-        if conn is None:
-            return
-        failed = False
-        try:
-            for queue in sorted(self._touched_queues - self._notified_queues):
-                self._store.execute(conn, "queue_notify", name=queue)
-            if self._transmitted and self._store.has("transmission_notify"):
-                self._store.execute(conn, "transmission_notify")
-            try:
-                conn.commit()
-            except sa.exc.DBAPIError as exc:
-                if not connections.is_lost(exc):
-                    raise store.database_error(conn.engine, "commit", exc) from exc
-                connections.invalidate(conn, exc)
-                # Lost during COMMIT: a transaction that wrote may or may not have
-                # committed. One that only read did nothing either way.
-                raise connections.lost("commit", exc, committing=self._wrote) from exc
-        except BaseException as exc:
-            failed = not isinstance(exc, exceptions.ConnectionLost)
-            with contextlib.suppress(Exception):  # a lost connection has nothing to undo
-                conn.rollback()
-            raise
-        finally:
-            try:
-                with contextlib.suppress(Exception):
-                    conn.close()
-            finally:
-                self._connection = None
-                self._leave_gate()
-                if failed:  # a commit that failed rolled back: count it like one
-                    self._after_rollback()
-        if self._tally:
-            counters.add(self._tally)
-        woken = self._touched_queues | self._received_queues
-        if self._transmitted:
-            woken.add(wakeup.TRANSMISSION)
-        if self._catalog_changed:
-            woken.add(wakeup.CATALOG)
-            self._broker._waited_queues.clear()  # RECEIVEs here see the change at once
-        self._broker._after_commit(frozenset(woken), self._next_deadline)
+        self.session.commit()
 
     def rollback(self) -> None:
         """Roll back: nothing this transaction did remains; received messages are back."""
-        if self._finished:
-            return
-        self._finished = True
-        conn = self._connection
-        if conn is not None:
-            self._connection = None
-            try:
-                conn.rollback()
-            except sa.exc.DBAPIError as exc:
-                if not connections.is_lost(exc):  # the server rolled back a lost one itself
-                    raise
-                connections.invalidate(conn, exc)
-            finally:
-                with contextlib.suppress(Exception):
-                    conn.close()
-                self._leave_gate()
-        self._after_rollback()
+        self.session.rollback()
 
-    def _after_rollback(self) -> None:
-        # A rolled-back RECEIVE put messages back: their queue monitors look again, and
-        # built-in poison message detection counts the rollback.
-        if self._receipts and not self._lost:
-            self._broker._count_rollbacks(frozenset(self._receipts))
-        self._broker._wakeups.notify(self._received_queues)
-
-    def _add_count(self, *key: str, n: int = 1) -> None:
-        """Count ``key`` (:mod:`~scheduler_lib.broker.counters`'s ``(what, *labels)``)
-        ``n`` times if this transaction commits."""
-        self._tally[key] = self._tally.get(key, 0) + n
-
-    def _deadline(self, when: float) -> None:
-        """This transaction sets something due at ``when`` (a conversation timer, a lease
-        expiry, a parked message's return): the timer thread is woken for it at commit
-        if it would otherwise sleep past it."""
-        if self._next_deadline is None or when < self._next_deadline:
-            self._next_deadline = when
-
-    def _commit_without_flush(self) -> None:
-        """PostgreSQL: this transaction's commit does not wait for the WAL flush (a later
-        durable commit of any session flushes it too). Must come before any write."""
-        if self._wrote:
-            raise exceptions.TransactionError(
-                "a transaction that already wrote cannot give up its durable commit"
-            )
-        if self._store.is_postgresql:
-            self._execute("commit_without_fsync")
-
-    @contextlib.contextmanager
-    def savepoint(self) -> Iterator[None]:
+    def savepoint(self) -> contextlib.AbstractContextManager[None]:
         """A part of the transaction that can fail alone (SAVEPOINT): on an exception
         only what it did is undone, and the exception goes on."""
-        conn = self._conn()
-        try:
-            nested = conn.begin_nested()
-        except sa.exc.DBAPIError as exc:
-            raise store.dbapi_error(conn, "savepoint", exc) from exc
-        try:
-            yield
-        except BaseException as exc:
-            try:
-                nested.rollback()
-            except sa.exc.DBAPIError as undo:
-                # A lost connection took the savepoint with it: the caller hears of the
-                # loss (and its retry runs again), never SQLAlchemy's own error for it
-                raise store.dbapi_error(conn, "rollback to savepoint", undo) from exc
-            raise
-        try:
-            nested.commit()
-        except sa.exc.DBAPIError as exc:
-            raise store.dbapi_error(conn, "release savepoint", exc) from exc
-
-    def _check_open(self) -> None:
-        if self._finished:
-            raise exceptions.TransactionError("the transaction has already ended")
+        return self.session.savepoint()
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[Transaction]:
-        self._check_open()
+        self.session.check_open()
         yield self
-
-    def _conn(self) -> sa.Connection:
-        self._check_open()
-        if self._connection is None:
-            engine = self._broker._autocommit_engine if self._autocommit else self._engine
-            self._connection = connections.connect(engine or self._broker._engine)
-        if self._engine is None:
-            self._enter_gate()
-        return self._connection
-
-    def _release_while_idle(self) -> None:
-        """End the database transaction if it did nothing yet (so waiting holds no lock).
-
-        By COMMIT, which ends a transaction that wrote nothing just as ROLLBACK would:
-        psycopg forgets every prepared statement of the connection at a ROLLBACK
-        (DEALLOCATE ALL), so the statements after each empty look were planned anew."""
-        conn = self._connection
-        if not self._wrote and conn is not None and conn.in_transaction():
-            try:
-                conn.commit()
-            except sa.exc.DBAPIError as exc:
-                if not connections.is_lost(exc):
-                    raise exceptions.DatabaseError(f"commit: {exc.orig}") from exc
-                connections.invalidate(conn, exc)
-                # It had done nothing: nothing went with it, and the operation can run again
-                raise connections.lost("commit", exc) from exc
-            self._leave_gate()
-
-    def _enter_gate(self) -> None:
-        """SQLite: take this process's write gate before BEGIN IMMEDIATE. Threads of one
-        process then queue for the write lock in turn instead of racing SQLite's sleeping
-        busy handler, which lets a thread that commits and begins again starve the rest."""
-        gate = self._broker._write_gate
-        if gate is None or self._in_gate:
-            return
-        if not gate.acquire(timeout=self._broker._write_gate_timeout):
-            raise exceptions.DatabaseError(
-                "timed out waiting for another transaction of this process to end",
-                hint="on SQLite one transaction writes at a time; keep transactions short",
-            )
-        self._in_gate = True
-
-    def _leave_gate(self) -> None:
-        if self._in_gate:
-            self._in_gate = False
-            assert self._broker._write_gate is not None
-            self._broker._write_gate.release()
-
-    # --- the one door, bound to this transaction's connection -------------------------
-
-    def _execute(self, query: str, /, **params: Any) -> sa.CursorResult[Any]:
-        return self._store.execute(self._conn(), query, **params)
-
-    def _one(self, query: str, /, **params: Any) -> Row | None:
-        return self._store.one(self._conn(), query, **params)
-
-    def _all(self, query: str, /, **params: Any) -> list[Row]:
-        return self._store.all(self._conn(), query, **params)
-
-    def _scalar(self, query: str, /, **params: Any) -> Any:
-        return self._store.scalar(self._conn(), query, **params)
-
-    def _count(self, query: str, /, **params: Any) -> int:
-        return self._store.count(self._conn(), query, **params)
 
     # --- named queries of the layers above (Broker.use_queries) ------------------------
 
@@ -305,37 +107,37 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
 
     def run(self, query: str, /, **params: Any) -> int:
         """Run a named statement in this transaction; how many rows it changed."""
-        self._wrote = True
-        return self._count(query, **params)
+        self.session.mark_written()
+        return self.session.count(query, **params)
 
     def fetch(self, query: str, /, **params: Any) -> list[Row]:
         """Every row of a named query, as mappings."""
-        return self._all(query, **params)
+        return self.session.all(query, **params)
 
     def fetch_one(self, query: str, /, **params: Any) -> Row | None:
         """The first row of a named query, or ``None``."""
-        return self._one(query, **params)
+        return self.session.one(query, **params)
 
     def fetch_value(self, query: str, /, **params: Any) -> Any:
         """The first column of the first row of a named query, or ``None``."""
-        return self._scalar(query, **params)
+        return self.session.scalar(query, **params)
 
     # --- lookups that raise the right NotFound ---------------------------------------
 
     def _queue(self, name: str) -> QueueInfo:
-        row = self._one("queue_get", name=name)
+        row = self.session.one("queue_get", name=name)
         if row is None:
             raise exceptions.QueueNotFound(f"queue {name!r} does not exist")
         return QueueInfo.from_row(row)
 
     def _service(self, name: str) -> Row:
-        row = self._one("service_get", name=name)
+        row = self.session.one("service_get", name=name)
         if row is None:
             raise exceptions.ServiceNotFound(f"service {name!r} does not exist")
         return row
 
     def _endpoint(self, handle: str) -> ConversationEndpoint:
-        row = self._one("endpoint_get", handle=handle)
+        row = self.session.one("endpoint_get", handle=handle)
         if row is None:
             raise exceptions.ConversationNotFound(
                 f"conversation handle {handle} does not exist (never began, or already closed)"
@@ -345,7 +147,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
     def _far_endpoint(
         self, endpoint: ConversationEndpoint, *, create: bool
     ) -> ConversationEndpoint | None:
-        row = self._one(
+        row = self.session.one(
             "endpoint_far",
             conversation_id=str(endpoint.conversation_id),
             is_initiator=endpoint.is_initiator,
@@ -385,8 +187,8 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         target = self._service(service)
         now = time.time()
         handle, group_id = str(uuid.uuid4()), str(uuid.uuid4())
-        self._execute("group_insert", group_id=group_id, queue=target["queue_name"], now=now)
-        self._execute(
+        self.session.execute("group_insert", group_id=group_id, queue=target["queue_name"], now=now)
+        self.session.execute(
             "endpoint_insert",
             handle=handle,
             conversation_id=conversation_id,
@@ -401,7 +203,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             now=now,
             is_remote=is_remote,
         )
-        self._wrote = True
+        self.session.mark_written()
         return self._endpoint(handle)
 
     # --- sending ---------------------------------------------------------------------
@@ -435,14 +237,13 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             "lease_id": lease_id,
         }
         if before is not None:
-            _, rows = self._store.pipeline(self._conn(), [before, ("send_fast", send)])
-            self._wrote = True
+            _, rows = self.session.pipeline([before, ("send_fast", send)])
         else:
-            rows = self._store.rows(self._conn(), "send_fast", **send)
+            rows = self.session.rows("send_fast", **send)
         if not rows:
             return None, before is not None
         seq, queue, _notified, completed = rows[0]
-        self._wrote = True
+        self.session.mark_written()
         if lease_id is not None and not completed:
             raise exceptions.LeaseLost(
                 f"lease {lease_id} on conversation {handle} is gone: it expired (the "
@@ -450,9 +251,9 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                 "ended; roll back the answer"
             )
         # The statement already sent NOTIFY if, and only if, somebody waits.
-        self._notified_queues.add(queue)
-        self._touched_queues.add(queue)
-        self._add_count(counters.SENT, queue)
+        self.session.notified(queue)
+        self.session.touched(queue)
+        self.session.tally(counters.SENT, queue)
         return int(seq), before is not None
 
     def _send_many_fast(
@@ -480,17 +281,16 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             "now": time.time(),
         }
         if before is not None:
-            _, rows = self._store.pipeline(self._conn(), [before, ("send_many_fast", send)])
-            self._wrote = True
+            _, rows = self.session.pipeline([before, ("send_many_fast", send)])
         else:
-            rows = self._store.rows(self._conn(), "send_many_fast", **send)
+            rows = self.session.rows("send_many_fast", **send)
         if not rows:
             return None, before is not None
         first, queue, _notified = rows[0]
-        self._wrote = True
-        self._notified_queues.add(queue)
-        self._touched_queues.add(queue)
-        self._add_count(counters.SENT, queue, n=len(data))
+        self.session.mark_written()
+        self.session.notified(queue)
+        self.session.touched(queue)
+        self.session.tally(counters.SENT, queue, n=len(data))
         return int(first), before is not None
 
     def _send_checked(self, handle: str, message_type: str, data: bytes | None) -> int:
@@ -498,14 +298,14 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         the target endpoint with the first message, and holds messages for a disabled
         queue. PostgreSQL's one-statement fast path falls back to it."""
         endpoint = self._endpoint(handle)
-        mt = self._one("message_type_get", name=message_type)
+        mt = self.session.one("message_type_get", name=message_type)
         if mt is None:
             raise exceptions.MessageTypeNotFound(f"message type {message_type!r} does not exist")
         validation = Validation(mt["validation"])
         self._broker._validation_cache[message_type] = validation
         allowed = {
             r["message_type_name"]: SentBy(r["sent_by"])
-            for r in self._all("contract_message_types", name=endpoint.contract_name)
+            for r in self.session.all("contract_message_types", name=endpoint.contract_name)
         }
         side = SentBy.INITIATOR if endpoint.is_initiator else SentBy.TARGET
         if message_type not in allowed:
@@ -528,7 +328,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             # The far side ended or failed; its EndDialog/Error is on our queue already.
             raise state_error(far, "send to the far side of")
         target = self._queue(far.queue_name)
-        taken = self._one(
+        taken = self.session.one(
             "endpoint_take_send_sequence",
             handle=handle,
             quantum=target.fair_share_quantum,
@@ -547,7 +347,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         """SEND to a service on another broker: the message waits in the transmission
         queue until that broker acknowledges it (the transport sends it)."""
         handle = str(endpoint.conversation_handle)
-        taken = self._one(
+        taken = self.session.one(
             "endpoint_take_send_sequence", handle=handle, quantum=None, now=time.time()
         )
         if taken is None:  # the state changed since we read it
@@ -566,19 +366,17 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         for body in data:
             checks.check_body(message_type, validation, body)
         endpoint = self._endpoint(handle)
-        first = self._scalar("endpoint_take_send_sequences", handle=handle, n=len(data))
+        first = self.session.scalar("endpoint_take_send_sequences", handle=handle, n=len(data))
         if first is None:
             raise state_error(endpoint, "send on")
         now = time.time()
         common = self._outgoing_row(endpoint, message_type, now)
-        self._store.execute_many(
-            self._conn(),
+        self.session.execute_many(
             "outgoing_insert",
             [{**common, "seq": int(first) + i, "body": body} for i, body in enumerate(data)],
         )
         if self._queue(endpoint.queue_name).is_retention_enabled:
-            self._store.execute_many(
-                self._conn(),
+            self.session.execute_many(
                 "message_retain_sent",
                 [
                     {
@@ -591,9 +389,9 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                     for i, body in enumerate(data)
                 ],
             )
-        self._wrote = True
-        self._transmitted = True
-        self._add_count(counters.SENT, counters.TRANSMISSION, n=len(data))
+        self.session.mark_written()
+        self.session.transmitted()
+        self.session.tally(counters.SENT, counters.TRANSMISSION, n=len(data))
         return list(range(int(first), int(first) + len(data)))
 
     def _retain_sent(self, handle: str, seq: int, message_type: str, body: bytes | None) -> None:
@@ -601,7 +399,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         (status 3) until the conversation ends. One statement, which writes nothing when
         the sender's queue keeps nothing. (PostgreSQL's one-statement SEND leaves such
         senders to the checked path, which calls this.)"""
-        self._execute(
+        self.session.execute(
             "message_retain_sent",
             handle=handle,
             seq=seq,
@@ -633,10 +431,10 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         """Put message ``seq`` of ``endpoint`` in the transmission queue for its far
         broker; the transport is woken at commit."""
         row = self._outgoing_row(endpoint, message_type, time.time())
-        self._execute("outgoing_insert", seq=seq, body=body, **row)
-        self._wrote = True
-        self._transmitted = True
-        self._add_count(counters.SENT, counters.TRANSMISSION)
+        self.session.execute("outgoing_insert", seq=seq, body=body, **row)
+        self.session.mark_written()
+        self.session.transmitted()
+        self.session.tally(counters.SENT, counters.TRANSMISSION)
 
     def _end_remote(
         self, endpoint: ConversationEndpoint, error: int | None, description: str | None
@@ -647,9 +445,9 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         if endpoint.is_initiator and endpoint.send_sequence == 0:
             self._close(endpoint)  # nothing was ever sent: the far side never knew of it
             return
-        self._execute("messages_delete_conversation", handle=handle)
-        self._execute("transmission_delete_held", handle=handle)
-        seq = int(self._scalar("endpoint_take_system_sequence", handle=handle))
+        self.session.execute("messages_delete_conversation", handle=handle)
+        self.session.execute("transmission_delete_held", handle=handle)
+        seq = int(self.session.scalar("endpoint_take_system_sequence", handle=handle))
         if endpoint.state in (EndpointState.DISCONNECTED_INBOUND, EndpointState.ERROR):
             # The far side ended (or this side failed): the last to leave closes, and tells
             # the far side, which waits in DISCONNECTED_OUTBOUND for this.
@@ -661,7 +459,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         else:
             body = json.dumps({"code": error, "description": description}).encode()
             self._transmit(endpoint, seq, ERROR, body)
-        self._execute(
+        self.session.execute(
             "endpoint_set_state", handle=handle, state=EndpointState.DISCONNECTED_OUTBOUND.value
         )
 
@@ -699,11 +497,13 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         """Put a message on the endpoint's queue, or hold it while that queue is off.
         ``fair_at`` is its fair-share stamp (0: served in arrival order, ahead of stamped
         messages of its level — system messages and messages put back)."""
-        self._wrote = True
-        if self._queue_cache is None:
+        self.session.mark_written()
+        if self.session.queue_cache is None:
             queue = self._queue(endpoint["queue_name"])
         else:  # the transport's batch: one read per queue and transaction
-            queue = self._queue_cache.get(endpoint["queue_name"]) or self._queue_cache.setdefault(
+            queue = self.session.queue_cache.get(
+                endpoint["queue_name"]
+            ) or self.session.queue_cache.setdefault(
                 endpoint["queue_name"], self._queue(endpoint["queue_name"])
             )
         params = {
@@ -719,12 +519,12 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             "now": time.time(),
             "fair_at": fair_at,
         }
-        self._add_count(counters.SENT, queue.name)
+        self.session.tally(counters.SENT, queue.name)
         if queue.is_receive_enabled:
-            self._execute("message_insert", **params)
-            self._touched_queues.add(queue.name)
+            self.session.execute("message_insert", **params)
+            self.session.touched(queue.name)
         else:
-            self._execute(
+            self.session.execute(
                 "transmission_insert",
                 transmission_status=f"target queue {queue.name!r} is disabled",
                 **params,
@@ -737,24 +537,24 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         outgoing messages still go (the far side needs their numbers to take what
         follows, its EndDialog), unless this is a cleanup."""
         handle = str(endpoint.conversation_handle)
-        self._execute("messages_delete_conversation", handle=handle)
+        self.session.execute("messages_delete_conversation", handle=handle)
         if endpoint.is_remote and not cleanup:
-            self._execute("transmission_delete_held", handle=handle)
+            self.session.execute("transmission_delete_held", handle=handle)
         else:
-            self._execute("transmission_delete_conversation", handle=handle)
-        self._execute("leases_delete_conversation", handle=handle)
-        self._execute("poison_history_delete_conversation", handle=handle)
-        self._wrote = True
+            self.session.execute("transmission_delete_conversation", handle=handle)
+        self.session.execute("leases_delete_conversation", handle=handle)
+        self.session.execute("poison_history_delete_conversation", handle=handle)
+        self.session.mark_written()
         if endpoint.is_remote:
-            self._execute(
+            self.session.execute(
                 "fragments_delete_conversation",
                 conversation_id=str(endpoint.conversation_id),
                 is_initiator=not endpoint.is_initiator,
             )
-            self._execute("endpoint_tombstone", handle=handle, now=time.time())
+            self.session.execute("endpoint_tombstone", handle=handle, now=time.time())
             return
-        self._execute("endpoint_delete", handle=handle)
-        self._execute("group_delete_if_empty", group_id=str(endpoint.conversation_group_id))
+        self.session.execute("endpoint_delete", handle=handle)
+        self.session.execute("group_delete_if_empty", group_id=str(endpoint.conversation_group_id))
 
     # --- receiving -------------------------------------------------------------------
 
@@ -793,32 +593,32 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         if info.is_retention_enabled:
             take += "_retained"
         if handle is not None:
-            locked = self._scalar("receive_lock_conversation", queue=queue, handle=handle)
+            locked = self.session.scalar("receive_lock_conversation", queue=queue, handle=handle)
             if locked is None:
                 return []
             conversations = [handle]
         else:
             if group_id is not None:
-                locked = self._scalar("receive_lock_group", queue=queue, group_id=group_id)
+                locked = self.session.scalar("receive_lock_group", queue=queue, group_id=group_id)
             else:
                 locked = self._pick_group(info)
             if locked is None:
                 return []
             conversations = _arrival_order(
-                self._all("receive_group_firsts", group_id=locked, top=top)
+                self.session.all("receive_group_firsts", group_id=locked, top=top)
             )
         messages: list[Message] = []
         for conversation in conversations:
-            rows = self._all(take, handle=conversation, top=top - len(messages))
+            rows = self.session.all(take, handle=conversation, top=top - len(messages))
             messages.extend(sorted(map(Message.from_row, rows), key=_sequence))
             if len(messages) >= top:
                 break
-        self._wrote = True
+        self.session.mark_written()
         if messages:
-            self._add_count(counters.RECEIVED, queue, n=len(messages))
-            self._receipts.add(queue)
+            self.session.tally(counters.RECEIVED, queue, n=len(messages))
+            self.session.receipt(queue)
             # Inside this transaction: only a commit ends the queue's run of rollbacks.
-            self._execute("queue_reset_rollbacks", name=queue)
+            self.session.execute("queue_reset_rollbacks", name=queue)
         return messages
 
     def _pick_group(self, queue: QueueInfo, query: str = "receive_pick_group") -> str | None:
@@ -827,10 +627,10 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         group of the highest-level message, oldest first."""
         if queue.receive_aging_seconds is not None:
             cutoff = time.time() - queue.receive_aging_seconds
-            aged = self._scalar("receive_pick_aged", queue=queue.name, cutoff=cutoff)
+            aged = self.session.scalar("receive_pick_aged", queue=queue.name, cutoff=cutoff)
             if aged is not None:
                 return str(aged)
-        picked = self._scalar(query, queue=queue.name)
+        picked = self.session.scalar(query, queue=queue.name)
         return None if picked is None else str(picked)
 
     def _receive_fast(self, queue: str, top: int, handle: str | None = None) -> list[Message]:
@@ -843,12 +643,12 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         params: dict[str, Any] = {"queue": queue, "top": top}
         if handle is not None:
             params["handle"] = handle
-        rows = self._store.rows(self._conn(), query, **params)
+        rows = self.session.rows(query, **params)
         if not rows:
             return []
-        self._wrote = True
-        self._receipts.add(queue)  # the statement reset the rollback count itself
-        self._add_count(counters.RECEIVED, queue, n=len(rows))
+        self.session.mark_written()
+        self.session.receipt(queue)  # the statement reset the rollback count itself
+        self.session.tally(counters.RECEIVED, queue, n=len(rows))
         # The statement returns them in RECEIVE's order.
         return [Message.from_row(dict(zip(MESSAGE_COLUMNS, r, strict=True))) for r in rows]
 
@@ -859,7 +659,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
         group_id = self._pick_group(info, query="get_group_pick")
         if group_id is None:
             return None
-        self._wrote = True  # the group stays locked until the transaction ends
+        self.session.mark_written()  # the group stays locked until the transaction ends
         return uuid.UUID(group_id)
 
     def _wait_for(
@@ -889,7 +689,7 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                     found = rest()
                 else:
                     seen = broker._wakeups.generation(queue)
-                    if unfiltered and not self._in_gate:
+                    if unfiltered and not self.session.in_gate:
                         noted = broker._note_blocked_receiver(queue)
                     found = attempt()
                 if found:
@@ -902,10 +702,10 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
                         broker._unnote_blocked_receiver(queue, noted)
                     if group is not None:
                         broker._last_group_received[queue] = group
-                    self._received_queues.add(queue)
+                    self.session.received_from(queue)
                     return found
-                self._release_while_idle()
-                if unfiltered and not self._wrote:
+                self.session.release_while_idle()
+                if unfiltered and not self.session.wrote:
                     # Queue monitors read this as "a reader is here, waiting for work".
                     broker._record_empty_receive(queue)
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -935,28 +735,31 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
     def _fire_due_timers(self, now: float, limit: int = 100) -> int:
         """Put ``DialogTimer`` and lifetime ``Error`` messages on their queues."""
         fired = 0
-        for row in self._all("timers_due", now=now, limit=limit):
-            self._execute("timer_clear", handle=row["conversation_handle"])
+        for row in self.session.all("timers_due", now=now, limit=limit):
+            self.session.execute("timer_clear", handle=row["conversation_handle"])
             self._enqueue(
                 row, row["conversation_handle"], DIALOG_TIMER_SEQUENCE, DIALOG_TIMER, None
             )
             fired += 1
-        for row in self._all("lifetimes_due", now=now, limit=limit):
+        for row in self.session.all("lifetimes_due", now=now, limit=limit):
             if row["state"] == EndpointState.DISCONNECTED_OUTBOUND.value:
                 # This side already ended: the lifetime bounds its wait for the far side's
                 # END. It closes; nobody is told (its application has left the conversation).
-                if self._one("group_try_lock", group_id=row["conversation_group_id"]) is None:
+                if (
+                    self.session.one("group_try_lock", group_id=row["conversation_group_id"])
+                    is None
+                ):
                     retry_at = now + LIFETIME_RETRY
-                    self._execute(
+                    self.session.execute(
                         "lifetime_retry", handle=row["conversation_handle"], retry_at=retry_at
                     )
-                    self._deadline(retry_at)
-                    self._wrote = True
+                    self.session.deadline(retry_at)
+                    self.session.mark_written()
                     continue
                 self._close(ConversationEndpoint.from_row(row))
                 fired += 1
                 continue
-            self._execute("lifetime_expire", handle=row["conversation_handle"])
+            self.session.execute("lifetime_expire", handle=row["conversation_handle"])
             body = json.dumps(
                 {
                     "code": LIFETIME_EXPIRED_CODE,
@@ -965,7 +768,8 @@ class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, R
             ).encode()
             self._enqueue(row, row["conversation_handle"], ERROR_SEQUENCE, ERROR, body)
             fired += 1
-        self._wrote = self._wrote or fired > 0
+        if fired > 0:
+            self.session.mark_written()
         return fired
 
 

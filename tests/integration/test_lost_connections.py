@@ -80,7 +80,7 @@ def test_a_savepoint_on_a_lost_connection_is_a_lost_connection(postgres_url: str
         with pytest.raises(ConnectionLost), broker.transaction() as tx:
             tx.fetch_value("next_deadline")
             assert _kill_our_backends(postgres_url) >= 1
-            tx._conn().exec_driver_sql("SELECT 1")
+            tx.session.connection().exec_driver_sql("SELECT 1")
         # And the broker goes on on fresh connections
         with broker.transaction() as tx:
             tx.fetch_value("next_deadline")

@@ -68,7 +68,7 @@ def test_a_waiting_receive_keeps_the_prepared_statements(broker: Broker) -> None
             assert tx.receive(QUEUE, timeout=0.02) == []
         # Then the connection still has the looks' statement prepared (psycopg prepares
         # a statement at its fifth run)
-        prepared = tx._conn().exec_driver_sql(
+        prepared = tx.session.connection().exec_driver_sql(
             "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE '%%queue_messages%%'"
         )
         assert prepared.scalar() >= 1
@@ -77,7 +77,7 @@ def test_a_waiting_receive_keeps_the_prepared_statements(broker: Broker) -> None
 def _listening(broker: Broker) -> int:
     """The sessions of the broker's database that LISTEN (their last statement)."""
     with broker.transaction() as tx:
-        rows = tx._conn().exec_driver_sql(
+        rows = tx.session.connection().exec_driver_sql(
             "SELECT count(*) FROM pg_stat_activity "
             "WHERE datname = current_database() AND query LIKE 'LISTEN %%'"
         )
@@ -130,7 +130,7 @@ def test_a_transport_endpoint_listens_though_nothing_waits_here(broker: Broker) 
 def test_a_connection_lost_at_the_idle_commit_of_a_waiting_synchronization(
     postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from scheduler_lib.broker.transaction import Transaction
+    from scheduler_lib.broker.session import Session
     from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
 
     broker = Broker(postgres_url, timers=False)
@@ -142,18 +142,20 @@ def test_a_connection_lost_at_the_idle_commit_of_a_waiting_synchronization(
         # Given: the COMMIT that ends a waiting RECEIVE's idle transaction meets a backend
         # that was just terminated (the first time it runs)
         killed = threading.Event()
-        release = Transaction._release_while_idle
+        release = Session.release_while_idle
 
-        def killing(self: Transaction) -> None:
-            conn = self._connection
+        def killing(self: Session) -> None:
+            conn = self.connection() if self.connected else None
             if not killed.is_set() and conn is not None and conn.in_transaction():
                 pid = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
                 with broker.transaction() as tx:
-                    tx._conn().exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")
+                    tx.session.connection().exec_driver_sql(
+                        f"SELECT pg_terminate_backend({int(pid)})"
+                    )
                 killed.set()
             release(self)
 
-        monkeypatch.setattr(Transaction, "_release_while_idle", killing)
+        monkeypatch.setattr(Session, "release_while_idle", killing)
         answered: list[Any] = []
         waiting = threading.Thread(
             target=lambda: answered.append(scheduler.synchronization(handle, timeout=30)),

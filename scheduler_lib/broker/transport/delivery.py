@@ -91,7 +91,7 @@ class Receiver:
     def reload(self) -> None:
         """Read which conversations have fragments waiting (at start, after a failure)."""
         with self._broker.transaction() as tx:
-            rows = tx._all("fragments_waiting")
+            rows = tx.session.all("fragments_waiting")
         self._waiting = {(r["conversation_id"], bool(r["is_initiator"])) for r in rows}
 
     def accept_batch(self, fragments: Sequence[Fragment]) -> list[str | None]:
@@ -110,7 +110,7 @@ class Receiver:
                 # Within one transaction the endpoints read stay true but for what this
                 # batch changes itself, which _deliver keeps up to date.
                 self._endpoints = {}
-                tx._queue_cache = {}
+                tx.session.queue_cache = {}
                 outcomes: list[str | None] = []
                 i = 0
                 while i < len(fragments):
@@ -174,14 +174,14 @@ class Receiver:
         for f in run:
             if self._check_message(tx, endpoint, f) or self._check_body(f.message_type, f.body):
                 return False
-        queue_cache = tx._queue_cache if tx._queue_cache is not None else {}
+        queue_cache = tx.session.queue_cache if tx.session.queue_cache is not None else {}
         queue = queue_cache.get(endpoint.queue_name) or queue_cache.setdefault(
             endpoint.queue_name, tx._queue(endpoint.queue_name)
         )
         if not queue.is_receive_enabled:
             return False
         handle = str(endpoint.conversation_handle)
-        accepted = tx._one("endpoint_accept_run", handle=handle, seq=first.seq, n=len(run))
+        accepted = tx.session.one("endpoint_accept_run", handle=handle, seq=first.seq, n=len(run))
         if accepted is None:
             self._endpoints.pop((str(endpoint.conversation_id), endpoint.is_initiator), None)
             return False
@@ -196,14 +196,13 @@ class Receiver:
             "now": now,
             "fair_at": 0.0,
         }
-        tx._store.execute_many(
-            tx._conn(),
+        tx.session.execute_many(
             "message_insert",
             [{**common, "seq": f.seq, "message_type": f.message_type, "body": f.body} for f in run],
         )
-        tx._wrote = True
-        tx._touched_queues.add(endpoint.queue_name)
-        tx._add_count(counters.SENT, endpoint.queue_name, n=len(run))
+        tx.session.mark_written()
+        tx.session.touched(endpoint.queue_name)
+        tx.session.tally(counters.SENT, endpoint.queue_name, n=len(run))
         key = (str(endpoint.conversation_id), endpoint.is_initiator)
         self._endpoints[key] = dataclasses.replace(endpoint, receive_sequence=first.seq + len(run))
         self._drain(tx, first.conversation_id, first.from_initiator)
@@ -249,7 +248,7 @@ class Receiver:
                 return refused
             if (f.conversation_id, f.from_initiator) in self._waiting:
                 # A copy of it may be held from before (its acknowledgement was lost).
-                tx._execute(
+                tx.session.execute(
                     "fragments_delete_message",
                     conversation_id=f.conversation_id,
                     is_initiator=f.from_initiator,
@@ -260,7 +259,7 @@ class Receiver:
                 refused = self._check_body(f.message_type, f.body)
                 if refused:
                     return refused
-            tx._execute(
+            tx.session.execute(
                 "fragment_insert",
                 conversation_id=f.conversation_id,
                 is_initiator=f.from_initiator,
@@ -271,7 +270,7 @@ class Receiver:
                 body=f.body,
                 now=time.time(),
             )
-            tx._wrote = True
+            tx.session.mark_written()
             key = (f.conversation_id, f.from_initiator)
             self._waiting.add(key)
             self._forget.discard(key)  # something waits again: keep the hint at commit
@@ -291,7 +290,7 @@ class Receiver:
                 self._forget.add(key)
                 return
             seq = endpoint.receive_sequence
-            parts = tx._all(
+            parts = tx.session.all(
                 "fragments_of_message",
                 conversation_id=conversation_id,
                 is_initiator=from_initiator,
@@ -308,7 +307,7 @@ class Receiver:
                 return  # not whole yet (or of two layouts: the complete one will come)
             body_parts = [p["message_body"] for p in parts]
             body = None if body_parts == [None] else b"".join(p or b"" for p in body_parts)
-            tx._execute(
+            tx.session.execute(
                 "fragments_delete_message",
                 conversation_id=conversation_id,
                 is_initiator=from_initiator,
@@ -326,7 +325,7 @@ class Receiver:
         # Whatever is still waiting for this conversation lies further ahead; the hint
         # stays while anything does, so the next arrival looks again.
         conversation_id, from_initiator = key
-        if not tx._one(
+        if not tx.session.one(
             "fragments_any_of_conversation",
             conversation_id=conversation_id,
             is_initiator=from_initiator,
@@ -347,12 +346,12 @@ class Receiver:
         if refused:
             return refused
         handle = str(endpoint.conversation_handle)
-        accepted = tx._one("endpoint_accept", handle=handle, seq=seq)
+        accepted = tx.session.one("endpoint_accept", handle=handle, seq=seq)
         key = (str(endpoint.conversation_id), endpoint.is_initiator)
         if accepted is None:
             self._endpoints.pop(key, None)
             return None  # raced with another delivery of the same number: a duplicate
-        tx._wrote = True
+        tx.session.mark_written()
         state = EndpointState(accepted["state"])  # read under the row's lock, not before
         if message_type in (END_DIALOG, ERROR) or state is EndpointState.STARTED_OUTBOUND:
             self._endpoints.pop(key, None)  # its state changes below: read it again
@@ -372,12 +371,12 @@ class Receiver:
                     if message_type == END_DIALOG
                     else EndpointState.ERROR
                 )
-                tx._execute("endpoint_set_state", handle=handle, state=new.value)
+                tx.session.execute("endpoint_set_state", handle=handle, state=new.value)
             return None
         if state in SENDABLE:
             tx._enqueue(accepted, handle, seq, message_type, body)
             if state is EndpointState.STARTED_OUTBOUND:
-                tx._execute(
+                tx.session.execute(
                     "endpoint_set_state", handle=handle, state=EndpointState.CONVERSING.value
                 )
         # else: this side has ended or failed; what the far side still sent is dropped.
@@ -391,7 +390,7 @@ class Receiver:
         cached = self._endpoints.get((conversation_id, is_initiator))
         if cached is not None:
             return cached
-        row = tx._one(
+        row = tx.session.one(
             "endpoint_of_conversation", conversation_id=conversation_id, is_initiator=is_initiator
         )
         if row is None:
@@ -403,9 +402,9 @@ class Receiver:
 
     @staticmethod
     def _check_new_conversation(tx: Transaction, f: Fragment) -> str | None:
-        if tx._one("service_get", name=f.to_service) is None:
+        if tx.session.one("service_get", name=f.to_service) is None:
             return f"service {f.to_service!r} does not exist on this broker"
-        if not tx._one("service_accepts", name=f.to_service, contract=f.contract):
+        if not tx.session.one("service_accepts", name=f.to_service, contract=f.contract):
             return f"service {f.to_service!r} does not accept contract {f.contract!r}"
         return None
 
@@ -432,10 +431,10 @@ class Receiver:
         return None
 
     def _load_contract(self, tx: Transaction, contract: str) -> None:
-        for row in tx._all("contract_message_types", name=contract):
+        for row in tx.session.all("contract_message_types", name=contract):
             self._allowed[(contract, row["message_type_name"])] = SentBy(row["sent_by"])
             if row["message_type_name"] not in self._validation:
-                mt = tx._one("message_type_get", name=row["message_type_name"])
+                mt = tx.session.one("message_type_get", name=row["message_type_name"])
                 if mt is not None:
                     self._validation[row["message_type_name"]] = Validation(mt["validation"])
 
@@ -461,8 +460,8 @@ def acknowledged(broker: Broker, messages: Iterable[tuple[int, str, int]]) -> No
     rows = [{"message_id": i, "handle": h, "seq": s} for i, h, s in messages]
     if rows:
         with broker.transaction() as tx:
-            tx._store.execute_many(tx._conn(), "outgoing_delete", rows)
-            tx._wrote = True
+            tx.session.execute_many("outgoing_delete", rows)
+            tx.session.mark_written()
 
 
 def set_statuses(broker: Broker, statuses: Iterable[tuple[int, str, int, str, int]]) -> None:
@@ -475,8 +474,8 @@ def set_statuses(broker: Broker, statuses: Iterable[tuple[int, str, int, str, in
     ]
     if rows:
         with broker.transaction() as tx:
-            tx._store.execute_many(tx._conn(), "outgoing_set_status", rows)
-            tx._wrote = True
+            tx.session.execute_many("outgoing_set_status", rows)
+            tx.session.mark_written()
 
 
 def record_events(broker: Broker, events: Sequence[tuple[float, str, str | None, str]]) -> None:
@@ -487,34 +486,36 @@ def record_events(broker: Broker, events: Sequence[tuple[float, str, str | None,
             for when, kind, peer, detail in events
         ]
         with broker.transaction() as tx:
-            tx._store.execute_many(tx._conn(), "transport_event_insert", rows)
-            tx._wrote = True
+            tx.session.execute_many("transport_event_insert", rows)
+            tx.session.mark_written()
 
 
 def prune_events(broker: Broker, before: float, keep: int) -> int:
     """Remove transport events older than ``before`` and all but the newest ``keep``;
     how many went."""
     with broker.transaction() as tx:
-        gone = tx._count("transport_events_prune_age", before=before)
-        gone += tx._count("transport_events_prune_count", keep=keep)
-        tx._wrote = tx._wrote or gone > 0
+        gone = tx.session.count("transport_events_prune_age", before=before)
+        gone += tx.session.count("transport_events_prune_count", keep=keep)
+        if gone > 0:
+            tx.session.mark_written()
         return gone
 
 
 def prune_closed(broker: Broker, now: float, retention: float = CLOSED_RETENTION) -> int:
     """Remove remote conversations' closed endpoints older than ``retention`` seconds."""
     with broker.transaction() as tx:
-        rows = tx._all("endpoints_closed_before", before=now - retention, limit=1000)
+        rows = tx.session.all("endpoints_closed_before", before=now - retention, limit=1000)
         pruned = 0
         # The group lock first, as END takes it, in group id order; a group someone holds
         # is left for the next prune (this never waits).
         for row in sorted(rows, key=lambda r: str(r["conversation_group_id"])):
-            if tx._one("group_try_lock", group_id=row["conversation_group_id"]) is None:
+            if tx.session.one("group_try_lock", group_id=row["conversation_group_id"]) is None:
                 continue
-            tx._execute("endpoint_delete", handle=row["conversation_handle"])
-            tx._execute("group_delete_if_empty", group_id=row["conversation_group_id"])
+            tx.session.execute("endpoint_delete", handle=row["conversation_handle"])
+            tx.session.execute("group_delete_if_empty", group_id=row["conversation_group_id"])
             pruned += 1
-        tx._wrote = tx._wrote or pruned > 0
+        if pruned > 0:
+            tx.session.mark_written()
         return pruned
 
 
@@ -544,14 +545,14 @@ def write_connections(
         for n, c in enumerate(connections)
     ]
     with broker.transaction() as tx:
-        tx._execute("transport_connections_clear", endpoint_id=endpoint_id)
-        tx._execute("transport_connections_stale", before=now - stale_after)
+        tx.session.execute("transport_connections_clear", endpoint_id=endpoint_id)
+        tx.session.execute("transport_connections_stale", before=now - stale_after)
         if rows:
-            tx._store.execute_many(tx._conn(), "transport_connection_insert", rows)
-        tx._wrote = True
+            tx.session.execute_many("transport_connection_insert", rows)
+        tx.session.mark_written()
 
 
 def load_outgoing(broker: Broker, query: str, limit: int, **params: Any) -> list[dict[str, Any]]:
     """Outgoing messages (``outgoing_after`` past a cursor, or ``outgoing_upto``)."""
     with broker.transaction() as tx:
-        return [dict(r) for r in tx._all(query, limit=limit, **params)]
+        return [dict(r) for r in tx.session.all(query, limit=limit, **params)]
