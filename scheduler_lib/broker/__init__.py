@@ -28,6 +28,7 @@ from scheduler_lib.broker.exceptions import (
     ServiceNotFound,
     TransactionError,
 )
+from scheduler_lib.broker.leases import Lease
 from scheduler_lib.broker.models import (
     ANY,
     DEFAULT,
@@ -47,7 +48,6 @@ from scheduler_lib.broker.poison import (
     Drop,
     EndConversation,
     History,
-    Lease,
     Log,
     Notify,
     Outcome,

@@ -14,13 +14,23 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import connections, counters, exceptions, poison, schema, store, wakeup
+from scheduler_lib.broker import (
+    connections,
+    counters,
+    exceptions,
+    poison,
+    schema,
+    store,
+    wakeup,
+)
 from scheduler_lib.broker import engine as engines
+from scheduler_lib.broker import leases as leasing
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
+from scheduler_lib.broker.leases import Lease, LeaseOperations
 from scheduler_lib.broker.models import QueueInfo, Validation
-from scheduler_lib.broker.poison import Lease, PoisonOperations
+from scheduler_lib.broker.poison import PoisonOperations
 from scheduler_lib.broker.routes import RouteOperations
 from scheduler_lib.broker.transaction import Transaction
 
@@ -34,7 +44,9 @@ LISTEN_READY_TIMEOUT = 10.0  # seconds to wait for LISTEN before the first recei
 WAITER_LINGER = 5.0  # seconds a process stays registered as waiting after its last waiter
 
 
-class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteOperations):
+class Broker(
+    CatalogOperations, ConversationOperations, LeaseOperations, PoisonOperations, RouteOperations
+):
     """A message broker on one database.
 
     Every operation is available two ways: on the broker itself, where it runs in a
@@ -114,7 +126,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         self._waiting_noted: dict[str, float] = {}
         self._last_group_received: dict[str, str] = {}  # queue -> group (SQLite's notes)
         self._empty_stamp_lock = threading.Lock()
-        self._lease_keeper: poison.LeaseKeeper | None = None  # started on first use
+        self._lease_keeper: leasing.LeaseKeeper | None = None  # started on first use
         self._lease_keeper_lock = threading.Lock()
         self._timer_wakeup = threading.Event()
         # queue -> (monotonic time read, settings): what RECEIVE checks before it waits
@@ -194,7 +206,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         params: dict[str, Any],
         *,
         timeout: float | None = None,
-        lease: float = poison.DEFAULT_LEASE,
+        lease: float = leasing.DEFAULT_LEASE,
         worker: str | None = None,
         durable: bool = True,
     ) -> tuple[list[Lease], list[tuple[Any, ...]] | None]:
@@ -227,6 +239,12 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         if taken is None:  # the dialect has no one-statement take
             return self.take(queue, 1, timeout, lease=duration, worker=holder, durable=False), None
         return taken, record.rows if taken else None
+
+    def _take_alone(
+        self, queue: str, top: int, duration: float, holder: str, timeout: float | None
+    ) -> list[Lease] | None:
+        # (take itself rides through a lost connection, as every operation on the broker)
+        return self._take_waiting(queue, top, duration, holder, timeout)
 
     def _take_waiting(
         self,
@@ -341,7 +359,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
             rows = self.retrying(lambda: self._leases_taken(holder, now), what="take")
             if not rows:
                 raise
-        leases = [poison.lease_from_row(row, holder, duration, now) for row in rows]
+        leases = [leasing.lease_from_row(row, holder, duration, now) for row in rows]
         if leases:  # its monitor looks again; the timer thread learns the expiry
             counters.received(queue, len(leases))
             self._after_commit(frozenset({queue}), now + duration)
@@ -508,7 +526,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         """
         with self._lease_keeper_lock:
             if self._lease_keeper is None:
-                self._lease_keeper = poison.LeaseKeeper(self)
+                self._lease_keeper = leasing.LeaseKeeper(self)
         return self._lease_keeper.holding(leases, interval)
 
     def _note_blocked_receiver(self, queue: str) -> tuple[float | None, float] | None:
@@ -662,7 +680,7 @@ class Broker(CatalogOperations, ConversationOperations, PoisonOperations, RouteO
         with self.transaction() as tx:
             # A lease is not expired before its holder had a whole lease to renew it
             # since the database came back: a live worker is never lost to an outage.
-            fired += poison.expire_leases(tx, time.time(), self.availability.recovered_at)
+            fired += leasing.expire_leases(tx, time.time(), self.availability.recovered_at)
             fired += poison.redeliver_parked(tx, time.time())
         return fired
 
@@ -734,7 +752,13 @@ def _rides_through(operation: Callable[..., T]) -> Callable[..., T]:
 
 # The operations shared with Transaction (where the caller owns the transaction, and a
 # lost connection is the caller's to handle) ride through outages on the broker itself.
-for _operations in (CatalogOperations, ConversationOperations, PoisonOperations, RouteOperations):
+for _operations in (
+    CatalogOperations,
+    ConversationOperations,
+    LeaseOperations,
+    PoisonOperations,
+    RouteOperations,
+):
     for _name, _operation in vars(_operations).items():
         public = not _name.startswith("_") and inspect.isfunction(_operation)
         if public and _name not in vars(Broker):

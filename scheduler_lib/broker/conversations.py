@@ -28,7 +28,7 @@ from scheduler_lib.broker.models import (
 )
 
 if TYPE_CHECKING:
-    from scheduler_lib.broker.poison import Lease
+    from scheduler_lib.broker.leases import Lease
     from scheduler_lib.broker.transaction import Transaction
 
 SENDABLE_STATES = frozenset({"SO", "SI", "CO"})

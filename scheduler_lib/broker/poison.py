@@ -12,7 +12,7 @@ Three mechanisms, from the bluntest to the finest:
   off): failures are recorded *outside* the failed transaction, in
   ``poison_message_details``; a message that has failed ``threshold`` times is routed to
   its policy's dispositions on its next receive instead of to the handler.
-* **Leases** for long work (:meth:`PoisonOperations.take`): the message leaves its queue
+* **Leases** for long work (:mod:`~scheduler_lib.broker.leases`): the message leaves its queue
   in a short transaction and waits under its worker's heartbeat. A lease whose heartbeat
   runs out is a silent failure, counted like any other; the policy retries it or routes
   it, and a policy with :class:`EndConversation` (the default) tells the partner.
@@ -34,14 +34,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from scheduler_lib.broker import counters, events, exceptions
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.activation import resolve
 from scheduler_lib.broker.models import (
-    MESSAGE_COLUMNS,
     ConversationEndpoint,
     EndpointState,
     Message,
@@ -57,7 +56,6 @@ log = logging.getLogger(__name__)
 ROLLBACK_LIMIT = 5  # built-in detection: this many consecutive rollbacks turn a queue off
 DEFAULT_THRESHOLD = 5  # failures after which the detector routes a message
 POISON_ERROR_CODE = 50001  # END CONVERSATION WITH ERROR code (user range, as in SQL Server)
-DEFAULT_LEASE = 60.0  # seconds a taken message is held without a heartbeat
 ERROR_TEXT_LIMIT = 4000  # characters of an error kept per failure
 POLICY_REFRESH = 5.0  # seconds a detector trusts the queue's stored policy
 # Endpoint states in which this side still reads its messages (not ended here, not failed).
@@ -262,7 +260,7 @@ class PoisonMessage:
         return cls(
             poison_id=int(row["poison_id"]),
             state=row["state"],
-            message=_message(row),
+            message=message_of(row),
             failures=int(row["failures"]),
             cycles=int(row["cycles"]),
             last_error=row["last_error"],
@@ -270,19 +268,6 @@ class PoisonMessage:
             recorded_at=float(row["recorded_at"]),
             redeliver_at=row["redeliver_at"],
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class Lease:
-    """A message taken for long work. Renew it (:meth:`Broker.keep_alive`) while the work
-    runs; complete it in the transaction that answers."""
-
-    lease_id: str
-    message: Message
-    worker: str
-    duration: float
-    expires_at: float
-    taken_at: float | None = None  # when its take committed (the one-statement take)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,11 +289,11 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
 
 
-def _message(row: Mapping[str, Any]) -> Message:
+def message_of(row: Mapping[str, Any]) -> Message:
     return Message.from_row({**row, "status": row.get("status", MessageStatus.READY)})
 
 
-def _error_text(error: BaseException | str | None) -> str | None:
+def error_text(error: BaseException | str | None) -> str | None:
     if error is None:
         return None
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
@@ -385,7 +370,7 @@ class PoisonOperations:
         :return: the message's history including this failure
         """
         with self._operation() as tx:
-            _record(tx, message, "FAILED", _error_text(error), worker or worker_name())
+            _record(tx, message, "FAILED", error_text(error), worker or worker_name())
             return history(tx, message)
 
     def failure_history(self, message: Message) -> History:
@@ -463,14 +448,14 @@ class PoisonOperations:
                         f"{row['conversation_handle']} is {state.name} on this side, so "
                         "nothing would read it; `scheduler-lib poison show` prints its body"
                     )
-                message = _message(row)
+                message = message_of(row)
                 tx.session.execute("poison_message_delete", poison_id=poison_id)
                 tx.session.execute(
                     "poison_history_delete",
                     handle=row["conversation_handle"],
                     seq=row["message_sequence_number"],
                 )
-                _requeue(tx, message, ConversationEndpoint.from_row(endpoint))
+                requeue(tx, message, ConversationEndpoint.from_row(endpoint))
             return len(ids)
 
     def drop_poison_messages(self, poison_ids: Iterable[int]) -> int:
@@ -492,160 +477,6 @@ class PoisonOperations:
             return len(ids)
 
     # leases: long work without a long transaction (DESIGN.md section 3)
-
-    def take(
-        self,
-        queue: str,
-        top: int = 1,
-        timeout: float | None = None,
-        *,
-        lease: float = DEFAULT_LEASE,
-        worker: str | None = None,
-        durable: bool = True,
-    ) -> list[Lease]:
-        """RECEIVE for long work: the messages leave the queue and wait under a lease of
-        ``lease`` seconds, renewed by :meth:`Broker.keep_alive`. Once the transaction
-        commits the receive is over and its conversation group free; the work runs with
-        no transaction open and is answered (and :meth:`complete`-d) in another.
-
-        A lease nobody renews expires: the message's failure is recorded and the queue's
-        poison policy puts it back on its queue or routes it (by default logging it and
-        ending its conversation with an error, so the partner is told).
-
-        :param lease: seconds the lease lasts without a renewal
-        :param worker: who holds it (default: host:pid:thread)
-        :param durable: ``False`` lets the taking transaction commit without waiting for
-            the WAL flush (PostgreSQL), so the conversation group is free again sooner.
-            A crash right after may then undo the take: the message is back on its
-            queue, as after an expired lease. Safe when the worker commits something
-            durably (e.g. "started") before the work begins, which flushes the take too.
-            Only for a take that runs in a transaction of its own.
-        :return: the leases, ``[]`` when the timeout passed
-        """
-        duration = checks.timeout(lease, "lease")
-        if not duration:
-            raise exceptions.InvalidArgument("a lease needs a duration greater than 0 seconds")
-        wait = checks.timeout(timeout)
-        holder = worker or worker_name()
-        fast = getattr(self, "_take_waiting", None)  # a broker's own transaction only
-        if not durable and fast is not None:
-            taken = fast(queue, checks.positive_int(top, "top"), duration, holder, wait)
-            if taken is not None:
-                return list(taken)
-        with self._operation() as tx:
-            if not durable:
-                tx.session.commit_without_flush()
-            messages = tx.receive(queue, top, timeout)
-            now = time.time()
-            leases = [
-                Lease(str(uuid.uuid4()), m, holder, duration, now + duration) for m in messages
-            ]
-            for held in leases:
-                m = held.message
-                tx.session.execute(
-                    "lease_insert",
-                    lease_id=held.lease_id,
-                    queue_name=m.queue_name,
-                    conversation_group_id=str(m.conversation_group_id),
-                    conversation_handle=str(m.conversation_handle),
-                    message_sequence_number=m.message_sequence_number,
-                    message_type_name=m.message_type_name,
-                    message_body=m.body,
-                    priority=m.priority,
-                    service_name=m.service_name,
-                    service_contract_name=m.service_contract_name,
-                    enqueued_at=m.enqueued_at,
-                    worker=holder,
-                    now=now,
-                    expires_at=held.expires_at,
-                )
-            if leases:
-                tx.session.deadline(min(held.expires_at for held in leases))
-            return leases
-
-    def renew(self, lease: Lease) -> float:
-        """The worker is alive: the lease lasts another ``lease.duration`` seconds.
-
-        :return: the new expiry
-        :raises LeaseLost: when the lease already expired or ended
-        """
-        now = time.time()
-        with self._operation() as tx:
-            if not tx.session.count(
-                "lease_renew", lease_id=lease.lease_id, now=now, expires_at=now + lease.duration
-            ):
-                raise _lost(lease)
-            tx.session.mark_written()
-        return now + lease.duration
-
-    def complete(self, lease: Lease) -> None:
-        """End the lease: the work is done. Call it in the transaction that answers, so the
-        answer and the completion commit together.
-
-        :raises LeaseLost: when the lease expired meanwhile (the message went back to its
-            queue or to its disposition) — the answer must not be sent; roll back
-        """
-        with self._operation() as tx:
-            if not tx.session.count("lease_delete", lease_id=lease.lease_id):
-                raise _lost(lease)
-            tx.session.mark_written()
-
-    def abandon(self, lease: Lease, error: BaseException | str | None = None) -> str:
-        """Give the message back: its failure is recorded and the queue's poison policy
-        retries it (back on its queue) or routes it.
-
-        :return: ``"requeued"`` or ``"routed"``
-        :raises LeaseLost: when the lease already expired or ended
-        """
-        with self._operation() as tx:
-            row = tx.session.one("lease_get", lease_id=lease.lease_id)
-            if row is None:
-                raise _lost(lease)
-            return _fail_leased(tx, row, "FAILED", _error_text(error))
-
-    def holds(self, lease: Lease) -> bool:
-        """Whether the lease still exists (not expired, completed, abandoned — nor undone
-        by a server crash, for a take that committed without the WAL flush)."""
-        with self._operation() as tx:
-            return tx.session.one("lease_get", lease_id=lease.lease_id) is not None
-
-    def release(self, lease: Lease) -> None:
-        """Give the message back untouched: the work never began (its start could not
-        be recorded). Not a failure — nothing is counted; it is next on its queue.
-
-        :raises LeaseLost: when the lease already expired or ended
-        """
-        with self._operation() as tx:
-            row = tx.session.one("lease_get", lease_id=lease.lease_id)
-            if row is None:
-                raise _lost(lease)
-            tx.session.execute("lease_delete", lease_id=lease.lease_id)
-            endpoint = tx.session.one("endpoint_get", handle=row["conversation_handle"])
-            if endpoint is not None:
-                _requeue(tx, _message(row), ConversationEndpoint.from_row(endpoint))
-
-    def leases(self, queue: str | None = None) -> list[Mapping[str, Any]]:
-        """Leases held now, oldest first (message bodies left out)."""
-        with self._operation() as tx:
-            return [
-                {k: v for k, v in r.items() if k != "message_body"}
-                for r in tx.session.all("lease_list", queue=queue)
-            ]
-
-
-def lease_from_row(row: Sequence[Any], worker: str, duration: float, taken_at: float) -> Lease:
-    """A lease from ``take_fast``'s row: the lease id, then the message's columns."""
-    lease_id, *message = row
-    columns = dict(zip(MESSAGE_COLUMNS[:-1], message, strict=True))
-    return Lease(str(lease_id), _message(columns), worker, duration, taken_at + duration, taken_at)
-
-
-def _lost(lease: Lease) -> exceptions.LeaseLost:
-    return exceptions.LeaseLost(
-        f"lease {lease.lease_id} on message {lease.message.message_sequence_number} of "
-        f"conversation {lease.message.conversation_handle} is gone: it expired (the "
-        "message went back to its queue or to its poison disposition) or already ended"
-    )
 
 
 def _poison_row(tx: Transaction, poison_id: int) -> Mapping[str, Any]:
@@ -883,24 +714,24 @@ def _end_with_error(
     return True
 
 
-def _requeue(tx: Transaction, message: Message, endpoint: ConversationEndpoint) -> None:
+def requeue(tx: Transaction, message: Message, endpoint: ConversationEndpoint) -> None:
     """Put a message back on its conversation's queue, with its sequence number."""
     tx._enqueue_at(
         endpoint, message.message_sequence_number, message.message_type_name, message.body
     )
 
 
-def _fail_leased(tx: Transaction, row: Mapping[str, Any], kind: str, error: str | None) -> str:
+def fail_leased(tx: Transaction, row: Mapping[str, Any], kind: str, error: str | None) -> str:
     """A leased message failed (abandoned, or its heartbeat ran out): count it, then
     retry it or route it per the queue's policy."""
     tx.session.execute("lease_delete", lease_id=row["lease_id"])
-    message = _message(row)
+    message = message_of(row)
     _record(tx, message, kind, error, row["worker"])
     hist = history(tx, message)
     policy = policy_for(tx, message.queue_name)
     endpoint = tx.session.one("endpoint_get", handle=row["conversation_handle"])
     if hist.failures < policy.threshold and endpoint is not None:
-        _requeue(tx, message, ConversationEndpoint.from_row(endpoint))
+        requeue(tx, message, ConversationEndpoint.from_row(endpoint))
         log.warning(
             "message %s/%s requeued after failure %s of %s: %s",
             row["conversation_handle"],
@@ -912,23 +743,6 @@ def _fail_leased(tx: Transaction, row: Mapping[str, Any], kind: str, error: str 
         return "requeued"
     route(tx, message, policy, hist)
     return "routed"
-
-
-def expire_leases(tx: Transaction, now: float, recovered_at: float = 0.0, limit: int = 100) -> int:
-    """Leases whose heartbeat ran out are silent failures — once their worker had a whole
-    lease to renew them since the database came back (``recovered_at``, epoch seconds)."""
-    expired = 0
-    for row in tx.session.all("leases_expired", now=now, recovered_at=recovered_at, limit=limit):
-        silent = now - float(row["heartbeat_at"])
-        _fail_leased(
-            tx,
-            row,
-            "EXPIRED",
-            f"worker lost, lease expired: worker {row['worker']} stopped renewing it "
-            f"(last heartbeat {silent:.1f} s ago)",
-        )
-        expired += 1
-    return expired
 
 
 def redeliver_parked(tx: Transaction, now: float, limit: int = 100) -> int:
@@ -946,7 +760,7 @@ def redeliver_parked(tx: Transaction, now: float, limit: int = 100) -> int:
             )
         else:
             tx.session.execute("poison_message_delete", poison_id=row["poison_id"])
-            _requeue(tx, _message(row), ConversationEndpoint.from_row(endpoint))
+            requeue(tx, message_of(row), ConversationEndpoint.from_row(endpoint))
         tx.session.mark_written()
         returned += 1
     return returned
@@ -1052,7 +866,7 @@ class PoisonDetector:
             tx.rollback()
             if current is None:
                 raise  # not the handler's failure: not the message's fault
-            error = _error_text(exc)
+            error = error_text(exc)
             log.warning(
                 "handling message %s/%s from %s failed; recorded as a failure",
                 current.conversation_handle,
@@ -1082,88 +896,3 @@ class PoisonDetector:
             if not outcomes:
                 return received
             received += len(outcomes)
-
-
-# --- keeping leases alive ---------------------------------------------------------------
-
-
-RENEW_RETRY = 1.0  # seconds before a renewal that failed is tried again
-
-
-class LeaseKeeper:
-    """One thread per broker that renews the leases its workers hold (their heartbeat):
-    each at a third of its duration, or at the interval a holder asked for. Workers
-    register leases for the duration of a ``with`` block; a lease found lost is reported
-    to its holder and no longer renewed."""
-
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
-        self._held: dict[str, tuple[Lease, float, dict[str, exceptions.LeaseLost]]] = {}
-        self._due: dict[str, float] = {}  # lease id -> monotonic time of its next renewal
-        self._changed = threading.Condition()
-        self._stopped = False
-        self._sleeps_until = 0.0  # monotonic time the thread wakes up on its own
-        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
-        self._thread.start()
-
-    @contextlib.contextmanager
-    def holding(
-        self, leases: Sequence[Lease], interval: float | None = None
-    ) -> Iterator[dict[str, exceptions.LeaseLost]]:
-        lost: dict[str, exceptions.LeaseLost] = {}
-        now = time.monotonic()
-        with self._changed:
-            soonest = float("inf")
-            for lease in leases:
-                every = interval if interval is not None else lease.duration / 3
-                self._held[lease.lease_id] = (lease, every, lost)
-                self._due[lease.lease_id] = now + every
-                soonest = min(soonest, now + every)
-            # Wake the thread only when it would sleep past this renewal: on a busy
-            # worker every task takes a lease, and a wake-up per task is a thread switch.
-            if soonest < self._sleeps_until:
-                self._changed.notify()
-        try:
-            yield lost
-        finally:
-            with self._changed:
-                for lease in leases:
-                    self._held.pop(lease.lease_id, None)
-                    self._due.pop(lease.lease_id, None)
-
-    def stop(self) -> None:
-        with self._changed:
-            self._stopped = True
-            self._changed.notify()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                if self._stopped:
-                    return
-                now = time.monotonic()
-                due = [self._held[i] for i, t in self._due.items() if t <= now]
-                for lease, every, _ in due:
-                    self._due[lease.lease_id] = now + every
-                if not due:
-                    soonest = min(self._due.values(), default=now + 1.0)
-                    self._sleeps_until = soonest
-                    self._changed.wait(max(0.0, soonest - now))
-                    self._sleeps_until = 0.0
-                    continue
-            for lease, _, lost in due:
-                try:
-                    self.broker.renew(lease)
-                except exceptions.LeaseLost as exc:
-                    lost[lease.lease_id] = exc
-                    with self._changed:
-                        self._due.pop(lease.lease_id, None)
-                except Exception as exc:  # a passing database error: try again soon
-                    # (renew itself rides through an outage up to the reconnect deadline)
-                    self.broker.availability.report(
-                        log, f"renewing lease {lease.lease_id} failed", exc
-                    )
-                    with self._changed:
-                        if lease.lease_id in self._due:
-                            self._due[lease.lease_id] = time.monotonic() + RENEW_RETRY

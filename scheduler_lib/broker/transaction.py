@@ -19,6 +19,7 @@ from scheduler_lib.broker.conversations import (
     ConversationOperations,
     state_error,
 )
+from scheduler_lib.broker.leases import LeaseOperations
 from scheduler_lib.broker.models import (
     DIALOG_TIMER,
     DIALOG_TIMER_SEQUENCE,
@@ -48,7 +49,9 @@ QUEUE_RECHECK = 1.0  # seconds a waiting RECEIVE trusts the queue's settings
 LIFETIME_RETRY = 1.0  # seconds before expiry looks again at an ended endpoint whose group is held
 
 
-class Transaction(CatalogOperations, ConversationOperations, PoisonOperations, RouteOperations):
+class Transaction(
+    CatalogOperations, ConversationOperations, LeaseOperations, PoisonOperations, RouteOperations
+):
     """One database transaction. Use as a context manager: it commits on a clean exit and
     rolls back on an exception, and received messages then return to their queue.
 

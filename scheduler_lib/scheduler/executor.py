@@ -39,7 +39,8 @@ from scheduler_lib.broker import (
     Transaction,
     activation,
 )
-from scheduler_lib.broker.poison import Lease, PoisonEvent
+from scheduler_lib.broker.leases import Lease
+from scheduler_lib.broker.poison import PoisonEvent
 from scheduler_lib.scheduler import catalog, logs, metrics
 from scheduler_lib.scheduler.errors import InvalidTask, KindNotAllowed
 from scheduler_lib.scheduler.kinds import Task, TaskContext, as_task, get_kind, job_group_of

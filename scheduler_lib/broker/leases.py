@@ -1,0 +1,320 @@
+"""Leases: messages taken for long work (seed 004's recovery for workers that die).
+
+A take RECEIVEs messages and moves them under a lease in one short transaction (one
+statement on PostgreSQL), so the conversation group is free at once and the work runs with
+no transaction open. The worker's heartbeat (:class:`LeaseKeeper`, through
+:meth:`Broker.keep_alive`) renews the lease; the answer ends it (:meth:`LeaseOperations.complete`,
+or ``send(..., completing=lease)``) in the transaction that answers. A lease nobody renews
+expires (:func:`expire_leases`, run by the broker's timer thread): a silent failure,
+counted and retried or routed by the queue's poison policy (:mod:`~scheduler_lib.broker.poison`).
+
+The one-statement take and its wait (``Broker.take`` with ``durable=False``,
+``Broker.take_recorded``) are the broker's own: they wait in turns per queue and use a
+connection that commits without the WAL flush.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from scheduler_lib.broker import exceptions, poison
+from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.models import MESSAGE_COLUMNS, ConversationEndpoint, Message
+
+if TYPE_CHECKING:
+    from scheduler_lib.broker.broker import Broker
+    from scheduler_lib.broker.transaction import Transaction
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE = 60.0  # seconds a taken message is held without a heartbeat
+RENEW_RETRY = 1.0  # seconds before a renewal that failed is tried again
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """A message taken for long work. Renew it (:meth:`Broker.keep_alive`) while the work
+    runs; complete it in the transaction that answers."""
+
+    lease_id: str
+    message: Message
+    worker: str
+    duration: float
+    expires_at: float
+    taken_at: float | None = None  # when its take committed (the one-statement take)
+
+
+class LeaseOperations:
+    """Taking messages under leases, and ending them; on the broker (each in a
+    transaction of its own) and inside a transaction."""
+
+    def _operation(self) -> contextlib.AbstractContextManager[Transaction]:
+        raise NotImplementedError  # Broker and Transaction provide it
+
+    def _take_alone(
+        self, queue: str, top: int, duration: float, holder: str, timeout: float | None
+    ) -> list[Lease] | None:
+        """A take that is a transaction of its own, committed without the WAL flush, in
+        one statement where the dialect has one (waiting until ``timeout``); ``None`` for
+        "take inside a transaction" — always, inside a transaction."""
+        return None
+
+    def take(
+        self,
+        queue: str,
+        top: int = 1,
+        timeout: float | None = None,
+        *,
+        lease: float = DEFAULT_LEASE,
+        worker: str | None = None,
+        durable: bool = True,
+    ) -> list[Lease]:
+        """RECEIVE for long work: the messages leave the queue and wait under a lease of
+        ``lease`` seconds, renewed by :meth:`Broker.keep_alive`. Once the transaction
+        commits the receive is over and its conversation group free; the work runs with
+        no transaction open and is answered (and :meth:`complete`-d) in another.
+
+        A lease nobody renews expires: the message's failure is recorded and the queue's
+        poison policy puts it back on its queue or routes it (by default logging it and
+        ending its conversation with an error, so the partner is told).
+
+        :param lease: seconds the lease lasts without a renewal
+        :param worker: who holds it (default: host:pid:thread)
+        :param durable: ``False`` lets the taking transaction commit without waiting for
+            the WAL flush (PostgreSQL), so the conversation group is free again sooner.
+            A crash right after may then undo the take: the message is back on its
+            queue, as after an expired lease. Safe when the worker commits something
+            durably (e.g. "started") before the work begins, which flushes the take too.
+            Only for a take that runs in a transaction of its own.
+        :return: the leases, ``[]`` when the timeout passed
+        """
+        duration = checks.timeout(lease, "lease")
+        if not duration:
+            raise exceptions.InvalidArgument("a lease needs a duration greater than 0 seconds")
+        wait = checks.timeout(timeout)
+        holder = worker or poison.worker_name()
+        if not durable:
+            taken = self._take_alone(queue, checks.positive_int(top, "top"), duration, holder, wait)
+            if taken is not None:
+                return taken
+        with self._operation() as tx:
+            if not durable:
+                tx.session.commit_without_flush()
+            messages = tx.receive(queue, top, timeout)
+            now = time.time()
+            leases = [
+                Lease(str(uuid.uuid4()), m, holder, duration, now + duration) for m in messages
+            ]
+            for held in leases:
+                m = held.message
+                tx.session.execute(
+                    "lease_insert",
+                    lease_id=held.lease_id,
+                    queue_name=m.queue_name,
+                    conversation_group_id=str(m.conversation_group_id),
+                    conversation_handle=str(m.conversation_handle),
+                    message_sequence_number=m.message_sequence_number,
+                    message_type_name=m.message_type_name,
+                    message_body=m.body,
+                    priority=m.priority,
+                    service_name=m.service_name,
+                    service_contract_name=m.service_contract_name,
+                    enqueued_at=m.enqueued_at,
+                    worker=holder,
+                    now=now,
+                    expires_at=held.expires_at,
+                )
+            if leases:
+                tx.session.deadline(min(held.expires_at for held in leases))
+            return leases
+
+    def renew(self, lease: Lease) -> float:
+        """The worker is alive: the lease lasts another ``lease.duration`` seconds.
+
+        :return: the new expiry
+        :raises LeaseLost: when the lease already expired or ended
+        """
+        now = time.time()
+        with self._operation() as tx:
+            if not tx.session.count(
+                "lease_renew", lease_id=lease.lease_id, now=now, expires_at=now + lease.duration
+            ):
+                raise lost_error(lease)
+            tx.session.mark_written()
+        return now + lease.duration
+
+    def complete(self, lease: Lease) -> None:
+        """End the lease: the work is done. Call it in the transaction that answers, so the
+        answer and the completion commit together.
+
+        :raises LeaseLost: when the lease expired meanwhile (the message went back to its
+            queue or to its disposition) — the answer must not be sent; roll back
+        """
+        with self._operation() as tx:
+            if not tx.session.count("lease_delete", lease_id=lease.lease_id):
+                raise lost_error(lease)
+            tx.session.mark_written()
+
+    def abandon(self, lease: Lease, error: BaseException | str | None = None) -> str:
+        """Give the message back: its failure is recorded and the queue's poison policy
+        retries it (back on its queue) or routes it.
+
+        :return: ``"requeued"`` or ``"routed"``
+        :raises LeaseLost: when the lease already expired or ended
+        """
+        with self._operation() as tx:
+            row = tx.session.one("lease_get", lease_id=lease.lease_id)
+            if row is None:
+                raise lost_error(lease)
+            return poison.fail_leased(tx, row, "FAILED", poison.error_text(error))
+
+    def holds(self, lease: Lease) -> bool:
+        """Whether the lease still exists (not expired, completed, abandoned — nor undone
+        by a server crash, for a take that committed without the WAL flush)."""
+        with self._operation() as tx:
+            return tx.session.one("lease_get", lease_id=lease.lease_id) is not None
+
+    def release(self, lease: Lease) -> None:
+        """Give the message back untouched: the work never began (its start could not
+        be recorded). Not a failure — nothing is counted; it is next on its queue.
+
+        :raises LeaseLost: when the lease already expired or ended
+        """
+        with self._operation() as tx:
+            row = tx.session.one("lease_get", lease_id=lease.lease_id)
+            if row is None:
+                raise lost_error(lease)
+            tx.session.execute("lease_delete", lease_id=lease.lease_id)
+            endpoint = tx.session.one("endpoint_get", handle=row["conversation_handle"])
+            if endpoint is not None:
+                poison.requeue(tx, poison.message_of(row), ConversationEndpoint.from_row(endpoint))
+
+    def leases(self, queue: str | None = None) -> list[Mapping[str, Any]]:
+        """Leases held now, oldest first (message bodies left out)."""
+        with self._operation() as tx:
+            return [
+                {k: v for k, v in r.items() if k != "message_body"}
+                for r in tx.session.all("lease_list", queue=queue)
+            ]
+
+
+def lease_from_row(row: Sequence[Any], worker: str, duration: float, taken_at: float) -> Lease:
+    """A lease from ``take_fast``'s row: the lease id, then the message's columns."""
+    lease_id, *message = row
+    columns = dict(zip(MESSAGE_COLUMNS[:-1], message, strict=True))
+    taken = poison.message_of(columns)
+    return Lease(str(lease_id), taken, worker, duration, taken_at + duration, taken_at)
+
+
+def lost_error(lease: Lease) -> exceptions.LeaseLost:
+    return exceptions.LeaseLost(
+        f"lease {lease.lease_id} on message {lease.message.message_sequence_number} of "
+        f"conversation {lease.message.conversation_handle} is gone: it expired (the "
+        "message went back to its queue or to its poison disposition) or already ended"
+    )
+
+
+def expire_leases(tx: Transaction, now: float, recovered_at: float = 0.0, limit: int = 100) -> int:
+    """Leases whose heartbeat ran out are silent failures — once their worker had a whole
+    lease to renew them since the database came back (``recovered_at``, epoch seconds)."""
+    expired = 0
+    for row in tx.session.all("leases_expired", now=now, recovered_at=recovered_at, limit=limit):
+        silent = now - float(row["heartbeat_at"])
+        poison.fail_leased(
+            tx,
+            row,
+            "EXPIRED",
+            f"worker lost, lease expired: worker {row['worker']} stopped renewing it "
+            f"(last heartbeat {silent:.1f} s ago)",
+        )
+        expired += 1
+    return expired
+
+
+RENEW_RETRY = 1.0  # seconds before a renewal that failed is tried again
+
+
+class LeaseKeeper:
+    """One thread per broker that renews the leases its workers hold (their heartbeat):
+    each at a third of its duration, or at the interval a holder asked for. Workers
+    register leases for the duration of a ``with`` block; a lease found lost is reported
+    to its holder and no longer renewed."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self._held: dict[str, tuple[Lease, float, dict[str, exceptions.LeaseLost]]] = {}
+        self._due: dict[str, float] = {}  # lease id -> monotonic time of its next renewal
+        self._changed = threading.Condition()
+        self._stopped = False
+        self._sleeps_until = 0.0  # monotonic time the thread wakes up on its own
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def holding(
+        self, leases: Sequence[Lease], interval: float | None = None
+    ) -> Iterator[dict[str, exceptions.LeaseLost]]:
+        lost: dict[str, exceptions.LeaseLost] = {}
+        now = time.monotonic()
+        with self._changed:
+            soonest = float("inf")
+            for lease in leases:
+                every = interval if interval is not None else lease.duration / 3
+                self._held[lease.lease_id] = (lease, every, lost)
+                self._due[lease.lease_id] = now + every
+                soonest = min(soonest, now + every)
+            # Wake the thread only when it would sleep past this renewal: on a busy
+            # worker every task takes a lease, and a wake-up per task is a thread switch.
+            if soonest < self._sleeps_until:
+                self._changed.notify()
+        try:
+            yield lost
+        finally:
+            with self._changed:
+                for lease in leases:
+                    self._held.pop(lease.lease_id, None)
+                    self._due.pop(lease.lease_id, None)
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                due = [self._held[i] for i, t in self._due.items() if t <= now]
+                for lease, every, _ in due:
+                    self._due[lease.lease_id] = now + every
+                if not due:
+                    soonest = min(self._due.values(), default=now + 1.0)
+                    self._sleeps_until = soonest
+                    self._changed.wait(max(0.0, soonest - now))
+                    self._sleeps_until = 0.0
+                    continue
+            for lease, _, lost in due:
+                try:
+                    self.broker.renew(lease)
+                except exceptions.LeaseLost as exc:
+                    lost[lease.lease_id] = exc
+                    with self._changed:
+                        self._due.pop(lease.lease_id, None)
+                except Exception as exc:  # a passing database error: try again soon
+                    # (renew itself rides through an outage up to the reconnect deadline)
+                    self.broker.availability.report(
+                        log, f"renewing lease {lease.lease_id} failed", exc
+                    )
+                    with self._changed:
+                        if lease.lease_id in self._due:
+                            self._due[lease.lease_id] = time.monotonic() + RENEW_RETRY
