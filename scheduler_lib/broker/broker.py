@@ -117,7 +117,7 @@ class Broker(
         self._write_gate: threading.RLock | None = (
             None if self._store.is_postgresql else threading.RLock()
         )
-        self._write_gate_timeout = engines.SQLITE_BUSY_TIMEOUT
+        self._write_gate_timeout: float = engines.SQLITE_BUSY_TIMEOUT
         self._waiters: dict[str, int] = {}  # queue -> this process's waiting receivers
         self._registered: set[str] = set()  # queues where this process counts as waiting
         self._waiters_idle_since: dict[str, float] = {}

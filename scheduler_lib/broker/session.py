@@ -14,17 +14,32 @@ that owns one session (``tx.session``).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 
 from scheduler_lib.broker import connections, counters, exceptions, store, wakeup
+from scheduler_lib.broker.models import QueueInfo
 from scheduler_lib.broker.store import Row
 
-if TYPE_CHECKING:
-    from scheduler_lib.broker.broker import Broker
-    from scheduler_lib.broker.models import QueueInfo
+
+class Owner(Protocol):
+    """What a session needs of the broker it belongs to (a ``Broker``): declared here so
+    that this module, below every operation, imports none of them."""
+
+    _store: store.Store
+    _engine: sa.Engine
+    _autocommit_engine: sa.Engine | None
+    _write_gate: threading.RLock | None
+    _write_gate_timeout: float
+    _wakeups: wakeup.Wakeups
+    _waited_queues: dict[str, tuple[float, QueueInfo]]
+
+    def _after_commit(self, queues: frozenset[str], deadline: float | None) -> None: ...
+
+    def _count_rollbacks(self, queues: frozenset[str]) -> None: ...
 
 
 class Session:
@@ -37,7 +52,7 @@ class Session:
     """
 
     def __init__(
-        self, broker: Broker, *, autocommit: bool = False, engine: sa.Engine | None = None
+        self, broker: Owner, *, autocommit: bool = False, engine: sa.Engine | None = None
     ) -> None:
         self.broker = broker
         self.store = broker._store
