@@ -110,12 +110,12 @@ class Broker(
         self._listener: wakeup.PostgresListener | None = None
         self._watcher: wakeup.SqliteWatcher | None = None
         self._watcher_lock = threading.Lock()
-        if self._store.is_postgresql:
+        if self._store.features.notifies:
             self._listener = wakeup.PostgresListener(self._engine, self._wakeups)
         self.clock = clock
         # SQLite: one writing transaction at a time, handed over in turn inside a process.
         self._write_gate: threading.RLock | None = (
-            None if self._store.is_postgresql else threading.RLock()
+            threading.RLock() if self._store.features.single_writer else None
         )
         self._write_gate_timeout: float = engines.SQLITE_BUSY_TIMEOUT
         self._waiters: dict[str, int] = {}  # queue -> this process's waiting receivers
@@ -320,7 +320,7 @@ class Broker(
         the leases, ``[]`` when nothing was there, ``None`` when it cannot. With
         ``record``, its statement follows a take that got leases, in the same round trip
         (:meth:`take_recorded`)."""
-        if not self._store.has("take_fast"):
+        if not self._store.features.one_statement_take:
             return None
         if self._async_engine is None:
             with self._async_engine_lock:
@@ -434,7 +434,7 @@ class Broker(
         snapshot) outside this process's write gate, so it neither waits for a writer
         nor makes one wait (what a metrics scrape needs). Use it as a context manager;
         a statement that writes fails."""
-        if self._store.is_postgresql:
+        if self._store.features.read_only_snapshots:
             tx = Transaction(self)
             tx.run("snapshot_begin")
             return tx

@@ -278,10 +278,8 @@ class ConversationOperations:
                 if found:
                     tx.session.received_from(queue)
                     return found
-                if tx.session.store.has(
-                    "receive_fast"
-                ):  # that look ran: the wait need not repeat it
-                    looked = seen
+                if tx.session.store.features.one_statement_receive:
+                    looked = seen  # that look ran: the wait need not repeat it
         with self._operation() as tx:
             return tx._wait_for(
                 queue,

@@ -68,6 +68,7 @@ def for_dialect(dialect: str, package: str = "scheduler_lib.broker") -> dict[str
         overrides = parse(_read(f"queries_{dialect}.sql", package))
     except FileNotFoundError:
         overrides = {}
-    # A dialect may also add queries of its own (fast paths); callers ask Store.has().
+    # A dialect may also add queries of its own (fast paths): the broker asks its dialect's
+    # features (dialects.py), a layer above asks Store.has().
     queries.update(overrides)
     return {name: text(sql) for name, sql in queries.items()}

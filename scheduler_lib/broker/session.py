@@ -188,7 +188,7 @@ class Session:
             raise exceptions.TransactionError(
                 "a transaction that already wrote cannot give up its durable commit"
             )
-        if self.store.is_postgresql:
+        if self.store.features.commits_without_flush:
             self.execute("commit_without_fsync")
 
     # --- its end ---------------------------------------------------------------------
@@ -227,7 +227,7 @@ class Session:
         try:
             for queue in sorted(self._touched_queues - self._notified_queues):
                 self.store.execute(conn, "queue_notify", name=queue)
-            if self._transmitted and self.store.has("transmission_notify"):
+            if self._transmitted and self.store.features.notifies:
                 self.store.execute(conn, "transmission_notify")
             try:
                 conn.commit()

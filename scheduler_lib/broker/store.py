@@ -12,7 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from scheduler_lib.broker import connections, exceptions, queries
+from scheduler_lib.broker import connections, dialects, exceptions, queries
 
 TUPLES_OK = 2  # libpq's PGRES_TUPLES_OK: a statement that returned rows succeeded
 
@@ -24,6 +24,8 @@ class Store:
 
     def __init__(self, dialect: sa.Dialect) -> None:
         self.dialect = dialect.name
+        #: the broker's strategies on this database (fast paths, locking, wake-ups)
+        self.features = dialects.of(dialect.name)
         self._dialect = dialect
         self._queries = dict(queries.for_dialect(dialect.name))
         self._driver_sql: dict[str, str] = {}
@@ -46,7 +48,8 @@ class Store:
         self._packages.add(package)
 
     def has(self, query: str) -> bool:
-        """Whether this dialect has the named query (fast paths exist on some only)."""
+        """Whether this dialect has the named query (a layer above asks, for statements
+        of its own that one dialect has; the broker asks :attr:`features`)."""
         return query in self._queries
 
     @property

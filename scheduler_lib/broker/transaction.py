@@ -228,7 +228,7 @@ class Transaction(
         :raises LeaseLost: when the lease was gone (the transaction must roll back)
         """
         cached = self._broker._validation_cache.get(message_type)
-        if cached is None or not self._store.has("send_fast"):
+        if cached is None or not self._store.features.one_statement_send:
             return None, False
         checks.check_body(message_type, cached, data)
         send = {
@@ -271,7 +271,7 @@ class Transaction(
         one by one on the checked path") — and whether ``before`` (a named statement and
         its binds) ran, in the same round trip, ahead of the SEND."""
         cached = self._broker._validation_cache.get(message_type)
-        if cached is None or not self._store.has("send_many_fast"):
+        if cached is None or not self._store.features.one_statement_send:
             return None, False
         for body in data:
             checks.check_body(message_type, cached, body)
@@ -585,7 +585,7 @@ class Transaction(
         info = cached[1]
         if not info.is_receive_enabled:
             raise info.disabled_error()
-        fast_ran = self._store.has("receive_fast") and group_id is None
+        fast_ran = self._store.features.one_statement_receive and group_id is None
         if (
             fast_ran
             and not info.is_retention_enabled
@@ -641,7 +641,7 @@ class Transaction(
         dialect has one; ``[]`` also when the queue needs the checked path (unknown,
         disabled, retention)."""
         query = "receive_fast" if handle is None else "receive_fast_conversation"
-        if not self._store.has(query):
+        if not self._store.features.one_statement_receive:
             return []
         params: dict[str, Any] = {"queue": queue, "top": top}
         if handle is not None:
