@@ -256,7 +256,8 @@ class Broker(
         record: _Record | None = None,
     ) -> list[Lease] | None:
         """:meth:`_take_fast` with WAITFOR: tries again whenever the queue may have got
-        messages, until ``timeout``; ``None`` when the dialect cannot."""
+        messages, until ``timeout``; ``None`` when the dialect cannot, or the queue needs
+        the checked take (retention, receive aging)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         registered = False
         checked = False
@@ -293,6 +294,10 @@ class Broker(
                         info = self.queue(queue)  # unknown or off: say so, as RECEIVE does
                         if not info.is_receive_enabled:
                             raise info.disabled_error()
+                        if info.is_retention_enabled or info.receive_aging_seconds is not None:
+                            # take_fast leaves these queues to the checked take (its "no
+                            # row" did not mean "nothing there"): a take in a transaction
+                            return None
                         checked = True
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:

@@ -520,6 +520,23 @@ def test_end_conversation_with_cleanup_tells_nobody(scheduler_catalog: Broker) -
     assert broker.conversation_endpoints() == []
 
 
+def test_the_target_sending_after_the_initiator_cleaned_up_is_told_why(
+    scheduler_catalog: Broker,
+) -> None:
+    broker = scheduler_catalog
+    # Given a conversation whose initiator endpoint was removed WITH CLEANUP
+    handle = begin(broker)
+    broker.send(handle, "AsyncSent", b"1")
+    target = far_endpoint(broker, handle).conversation_handle
+    broker.end_conversation(handle, cleanup=True)
+    # When the target answers on it
+    # Then it is refused as a state error that names the missing side (not an assertion)
+    with pytest.raises(ConversationStateError, match="the initiator endpoint no longer exists"):
+        broker.send(target, "AsyncDone", b"done")
+    # and nothing was queued for anybody
+    assert broker.peek(IQ) == []
+
+
 def test_send_after_target_cleaned_up_does_not_resurrect_the_target(
     scheduler_catalog: Broker,
 ) -> None:
