@@ -3,11 +3,11 @@
 A :class:`Session` takes its connection at the first statement, runs the broker's named
 statements on it (the one door to the database), and ends it: a commit that then wakes
 this process's waiters and counts what was done, or a rollback that gives received
-messages back. The broker's operations (``catalog``, ``conversations``, ``poison``,
-``routes``, ``arrival``, the transport's delivery) do not touch its fields: they declare
-what they did through a small API — :meth:`Session.mark_written`, :meth:`Session.touched`,
-:meth:`Session.deadline`, :meth:`Session.catalog_changed` and the rest below — which the
-commit reads. :class:`~scheduler_lib.broker.transaction.Transaction` is the public front
+messages back. The broker's operations (``catalog``, ``conversations``, ``leases``,
+``poison``, ``routes``, ``arrival``, ``events``, ``activation``'s monitors, the transport's
+delivery) do not touch its fields: they declare what they did through a small API —
+:meth:`Session.mark_written`, :meth:`Session.touched`, :meth:`Session.deadline`,
+:meth:`Session.catalog_changed` and the rest below — which the commit reads. :class:`~scheduler_lib.broker.transaction.Transaction` is the public front
 that owns one session (``tx.session``).
 """
 
