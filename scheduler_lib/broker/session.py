@@ -7,8 +7,9 @@ messages back. The broker's operations (``catalog``, ``conversations``, ``leases
 ``poison``, ``routes``, ``arrival``, ``events``, ``activation``'s monitors, the transport's
 delivery) do not touch its fields: they declare what they did through a small API —
 :meth:`Session.mark_written`, :meth:`Session.touched`, :meth:`Session.deadline`,
-:meth:`Session.catalog_changed` and the rest below — which the commit reads. :class:`~scheduler_lib.broker.transaction.Transaction` is the public front
-that owns one session (``tx.session``).
+:meth:`Session.catalog_changed` and the rest below — which the commit reads.
+:class:`~scheduler_lib.broker.transaction.Transaction` is the public front that owns one
+session (``tx.session``).
 """
 
 from __future__ import annotations
