@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler_lib.broker import counters, events, exceptions, wakeup
 from scheduler_lib.broker.events import QUEUE_ACTIVATION
 from scheduler_lib.broker.models import QueueInfo
+from scheduler_lib.broker.ops import endpoints
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker
@@ -374,7 +375,7 @@ class ActivationRuntime:
             monitor = tx.session.one("monitor_lock", queue=queue)
             if monitor is None:
                 return None
-            info = tx._queue(queue)
+            info = endpoints.queue(tx.session, queue)
             head = tx.session.scalar("queue_head", queue=queue)
             running = int(tx.session.scalar("task_count", queue=queue))
             full = False

@@ -37,6 +37,7 @@ from scheduler_lib.broker.models import (
     EndpointState,
     Validation,
 )
+from scheduler_lib.broker.ops import endpoints, sending
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.store import Row
@@ -99,16 +100,18 @@ def _fail(tx: Transaction, handle: str, seq: int, reason: str) -> None:
     if row is None:
         return
     receiver = ConversationEndpoint.from_row(row)
-    sender = None if receiver.is_remote else tx._far_endpoint(receiver, create=False)
+    sender = None if receiver.is_remote else endpoints.far(tx.session, receiver, create=False)
     body = json.dumps({"code": checks.INVALID_MESSAGE_CODE, "description": reason}).encode()
     if sender is not None:
         if sender.state is EndpointState.DISCONNECTED_OUTBOUND:
-            tx._close(sender)  # its END was held behind the message: nobody left to tell
+            endpoints.close(
+                tx.session, sender
+            )  # its END was held behind the message: nobody left to tell
         elif sender.state in _SENDABLE:
             # The answer is the receiving side's next message; like every Error it is
             # received ahead of what the sender's queue still holds (ERROR_SEQUENCE).
             tx.session.scalar("endpoint_take_system_sequence", handle=handle)
-            tx._enqueue_at(sender, ERROR_SEQUENCE, ERROR, body)
+            sending.enqueue_at(tx.session, sender, ERROR_SEQUENCE, ERROR, body)
             tx.session.execute(
                 "endpoint_set_state",
                 handle=str(sender.conversation_handle),
@@ -116,7 +119,7 @@ def _fail(tx: Transaction, handle: str, seq: int, reason: str) -> None:
             )
     never_arrived = not receiver.is_initiator and not receiver.is_remote and seq == 0
     if never_arrived or receiver.state is EndpointState.DISCONNECTED_OUTBOUND:
-        tx._close(receiver)
+        endpoints.close(tx.session, receiver)
     elif receiver.state is not EndpointState.CLOSED:
-        tx._enqueue_at(receiver, ERROR_SEQUENCE, ERROR, body)
+        sending.enqueue_at(tx.session, receiver, ERROR_SEQUENCE, ERROR, body)
         tx.session.execute("endpoint_set_state", handle=handle, state=EndpointState.ERROR.value)

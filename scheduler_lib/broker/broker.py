@@ -30,6 +30,7 @@ from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
 from scheduler_lib.broker.leases import Lease, LeaseOperations
 from scheduler_lib.broker.models import QueueInfo, Validation
+from scheduler_lib.broker.ops import timers
 from scheduler_lib.broker.poison import PoisonOperations
 from scheduler_lib.broker.routes import RouteOperations
 from scheduler_lib.broker.transaction import Transaction
@@ -680,7 +681,7 @@ class Broker(
 
     def _fire_timers_once(self) -> int:
         with self.transaction() as tx:
-            fired = tx._fire_due_timers(time.time())
+            fired = timers.fire_due(tx.session, time.time())
         # Apart, so that a failing poison policy cannot hold conversation timers up.
         with self.transaction() as tx:
             # A lease is not expired before its holder had a whole lease to renew it

@@ -22,6 +22,7 @@ from scheduler_lib.broker.models import (
     SentBy,
     Validation,
 )
+from scheduler_lib.broker.ops import endpoints
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.transaction import Transaction
@@ -271,7 +272,7 @@ class CatalogOperations:
         :raises QueueNotFound: for an unknown name
         """
         with self._operation() as tx:
-            current = tx._queue(name)
+            current = endpoints.queue(tx.session, name)
             changes = {
                 "status": status,
                 "retention": retention,
@@ -316,7 +317,7 @@ class CatalogOperations:
                 arrival.release_held(tx, name)
             tx.session.touched(name)  # waiting receivers and the monitor look again
             tx.session.catalog_changed()
-            return tx._queue(name)
+            return endpoints.queue(tx.session, name)
 
     def queue(self, name: str) -> QueueInfo:
         """A queue's settings.
@@ -324,7 +325,7 @@ class CatalogOperations:
         :raises QueueNotFound: for an unknown name
         """
         with self._operation() as tx:
-            return tx._queue(name)
+            return endpoints.queue(tx.session, name)
 
     def queues(self) -> list[QueueInfo]:
         """Every queue (``sys.service_queues``)."""
@@ -338,7 +339,7 @@ class CatalogOperations:
         :raises InUse: while a service is bound to it
         """
         with self._operation() as tx:
-            tx._queue(name)
+            endpoints.queue(tx.session, name)
             services = [r["service_name"] for r in tx.session.all("queue_services", name=name)]
             if services:
                 raise exceptions.InUse(
@@ -363,7 +364,7 @@ class CatalogOperations:
         with self._operation() as tx:
             if tx.session.one("service_get", name=name):
                 raise exceptions.AlreadyExists(f"service {name!r} already exists")
-            tx._queue(queue)
+            endpoints.queue(tx.session, queue)
             for contract in dict.fromkeys(contracts):
                 if not tx.session.one("contract_exists", name=contract):
                     raise exceptions.ContractNotFound(
@@ -387,7 +388,7 @@ class CatalogOperations:
         :raises ServiceNotFound, QueueNotFound, ContractNotFound: for unknown names
         """
         with self._operation() as tx:
-            service = tx._service(name)
+            service = endpoints.service(tx.session, name)
             accepted = {r["contract_name"] for r in tx.session.all("service_contracts", name=name)}
             for contract in add_contracts:
                 if not tx.session.one("contract_exists", name=contract):
@@ -398,13 +399,13 @@ class CatalogOperations:
                         f"service {name!r} does not accept contract {contract!r}"
                     )
             if queue is not None and queue != service["queue_name"]:
-                tx._queue(queue)
+                endpoints.queue(tx.session, queue)
                 tx.session.execute("service_set_queue", name=name, queue=queue)
                 tx.session.execute("service_move_groups", name=name, queue=queue)
                 tx.session.execute("service_move_endpoints", name=name, queue=queue)
                 tx.session.execute("service_move_messages", name=name, queue=queue)
                 tx.session.execute("service_move_held", name=name, queue=queue)
-                if tx._queue(queue).is_receive_enabled:
+                if endpoints.queue(tx.session, queue).is_receive_enabled:
                     arrival.release_held(tx, queue)
                 tx.session.touched(queue)
             for contract in dict.fromkeys(add_contracts):
@@ -419,7 +420,7 @@ class CatalogOperations:
         :raises ServiceNotFound: for an unknown name
         """
         with self._operation() as tx:
-            row = tx._service(name)
+            row = endpoints.service(tx.session, name)
             contracts = [r["contract_name"] for r in tx.session.all("service_contracts", name=name)]
             return {"service_name": name, "queue_name": row["queue_name"], "contracts": contracts}
 
@@ -435,7 +436,7 @@ class CatalogOperations:
         :raises InUse: while conversations of the service exist
         """
         with self._operation() as tx:
-            tx._service(name)
+            endpoints.service(tx.session, name)
             if tx.session.scalar("service_endpoint_count", name=name):
                 raise exceptions.InUse(
                     f"service {name!r} still has conversations", hint="end them first"
@@ -468,9 +469,9 @@ class CatalogOperations:
         with self._operation() as tx:
             if tx.session.one("event_notification_get", name=name):
                 raise exceptions.AlreadyExists(f"event notification {name!r} already exists")
-            tx._queue(queue)
+            endpoints.queue(tx.session, queue)
             _ensure_event_catalog(tx)
-            tx._service(to_service)
+            endpoints.service(tx.session, to_service)
             if not tx.session.one("service_accepts", name=to_service, contract=EVENT_CONTRACT):
                 raise exceptions.ServiceContractMismatch(
                     f"service {to_service!r} does not accept contract {EVENT_CONTRACT!r}",
@@ -654,7 +655,7 @@ def _priority_fields(
             f"priority {name!r} names contract {contract!r}, which does not exist"
         )
     if local_service is not None:
-        tx._service(local_service)
+        endpoints.service(tx.session, local_service)
     if remote_service is not None:
         checks.name(remote_service, "remote service name")
     clash = tx.session.scalar(

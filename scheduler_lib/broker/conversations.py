@@ -26,12 +26,11 @@ from scheduler_lib.broker.models import (
     EndpointState,
     Message,
 )
+from scheduler_lib.broker.ops import endpoints, receiving, sending
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.leases import Lease
     from scheduler_lib.broker.transaction import Transaction
-
-SENDABLE_STATES = frozenset({"SO", "SI", "CO"})
 
 
 class ConversationOperations:
@@ -75,7 +74,7 @@ class ConversationOperations:
             if lifetime == 0:
                 raise exceptions.InvalidArgument("lifetime must be greater than 0 seconds")
         with self._operation() as tx:
-            initiator = tx._service(from_service)
+            initiator = endpoints.service(tx.session, from_service)
             # A service this broker hosts is local; another broker's is reached by route.
             is_remote = tx.session.one("service_get", name=to_service) is None
             if is_remote and routes.remote_route(tx, to_service) is None:
@@ -96,7 +95,9 @@ class ConversationOperations:
             queue = initiator["queue_name"]
             now = time.time()
             if related_conversation is not None:
-                related = tx._endpoint(checks.handle(related_conversation, "related_conversation"))
+                related = endpoints.endpoint(
+                    tx.session, checks.handle(related_conversation, "related_conversation")
+                )
                 if related.queue_name != queue:
                     raise exceptions.InvalidArgument(
                         f"related conversation {related.conversation_handle} is on queue "
@@ -173,21 +174,21 @@ class ConversationOperations:
             with self._operation() as tx:
                 data = checks.body_bytes(body, tx.broker.max_message_size)
                 lease_id = None if completing is None else completing.lease_id
-                seq, ran = tx._send_fast(handle, message_type, data, lease_id, before)
+                seq, ran = sending.fast(tx.session, handle, message_type, data, lease_id, before)
                 if before is not None and not ran:
                     tx.run(before[0], **before[1])
                 if seq is not None:
                     return seq
                 if completing is not None:
                     tx.complete(completing)
-                return tx._send_checked(handle, message_type, data)
+                return sending.checked(tx.session, handle, message_type, data)
         with self._single_statement() as tx:
             data = checks.body_bytes(body, tx.broker.max_message_size)
-            seq, _ = tx._send_fast(handle, message_type, data)
+            seq, _ = sending.fast(tx.session, handle, message_type, data)
             if seq is not None:
                 return seq
         with self._operation() as tx:
-            return tx._send_checked(handle, message_type, data)
+            return sending.checked(tx.session, handle, message_type, data)
 
     def send_many(
         self,
@@ -216,22 +217,24 @@ class ConversationOperations:
             return []
         with self._operation() as tx:
             data = [checks.body_bytes(b, tx.broker.max_message_size) for b in bodies]
-            first, ran = tx._send_many_fast(handle, message_type, data, before)
+            first, ran = sending.many_fast(tx.session, handle, message_type, data, before)
             if before is not None and not ran:
                 tx.run(before[0], **before[1])
             if first is not None:
                 return list(range(first, first + len(data)))
             # The checked path for the first message: it names what is wrong, or creates
             # the target endpoint, after which the rest usually go in one statement.
-            sent = [tx._send_checked(handle, message_type, data[0])]
+            sent = [sending.checked(tx.session, handle, message_type, data[0])]
             rest = data[1:]
-            if rest and tx._endpoint(handle).is_remote:
+            if rest and endpoints.endpoint(tx.session, handle).is_remote:
                 # To another broker: one sequence-number update, one batch of inserts.
-                return sent + tx._send_remote_many(handle, message_type, rest)
-            following = tx._send_many_fast(handle, message_type, rest)[0] if rest else None
+                return sent + sending.remote_many(tx.session, handle, message_type, rest)
+            following = (
+                sending.many_fast(tx.session, handle, message_type, rest)[0] if rest else None
+            )
             if following is not None:
                 return sent + list(range(following, following + len(rest)))
-            return sent + [tx._send_checked(handle, message_type, d) for d in rest]
+            return sent + [sending.checked(tx.session, handle, message_type, d) for d in rest]
 
     def receive(
         self,
@@ -268,7 +271,7 @@ class ConversationOperations:
             with self._single_statement() as tx:
                 seen = tx.broker._wakeups.generation(queue)
                 try:
-                    found = tx._receive_fast(queue, top, handle)
+                    found = receiving.fast(tx.session, queue, top, handle)
                 except exceptions.ConnectionLost as exc:
                     if not tx.session.autocommit or not tx.session.connected:
                         raise  # not connected: it took nothing, and is run again
@@ -281,15 +284,19 @@ class ConversationOperations:
                 if tx.session.store.features.one_statement_receive:
                     looked = seen  # that look ran: the wait need not repeat it
         with self._operation() as tx:
-            return tx._wait_for(
+            return receiving.wait_for(
+                tx.session,
                 queue,
                 wait,
-                lambda: tx._receive_once(queue, top, handle, group_id),
+                lambda: receiving.look(tx.session, queue, top, handle, group_id),
                 [],
                 unfiltered=handle is None and group_id is None,
                 looked=None
                 if looked is None
-                else (looked, lambda: tx._receive_once(queue, top, handle, None, fast_looked=True)),
+                else (
+                    looked,
+                    lambda: receiving.look(tx.session, queue, top, handle, None, fast_looked=True),
+                ),
             )
 
     def get_conversation_group(self, queue: str, timeout: float | None = None) -> uuid.UUID | None:
@@ -300,7 +307,9 @@ class ConversationOperations:
         """
         wait = checks.timeout(timeout)
         with self._operation() as tx:
-            return tx._wait_for(queue, wait, lambda: tx._get_group_once(queue), None)
+            return receiving.wait_for(
+                tx.session, queue, wait, lambda: receiving.group_once(tx.session, queue), None
+            )
 
     def move_conversation(
         self, conversation_handle: uuid.UUID | str, group: uuid.UUID | str
@@ -312,7 +321,7 @@ class ConversationOperations:
         handle = checks.handle(conversation_handle)
         group_id = checks.handle(group, "conversation group id")
         with self._operation() as tx:
-            endpoint = tx._endpoint(handle)
+            endpoint = endpoints.endpoint(tx.session, handle)
             target = tx.session.one("group_get", group_id=group_id)
             if target is None or target["queue_name"] != endpoint.queue_name:
                 raise exceptions.ConversationGroupNotFound(
@@ -334,7 +343,7 @@ class ConversationOperations:
                         raise exceptions.ConversationGroupNotFound(
                             f"conversation group {group_id} no longer exists"
                         )
-                endpoint = tx._endpoint(handle)
+                endpoint = endpoints.endpoint(tx.session, handle)
                 if str(endpoint.conversation_group_id) == old:
                     break
             tx.session.execute("endpoint_move", handle=handle, group_id=group_id)
@@ -371,39 +380,39 @@ class ConversationOperations:
             tx.session.mark_written()
             endpoint, far = lock_for_end(tx, handle, cleanup=cleanup)
             if cleanup:
-                tx._close(endpoint, cleanup=True)
+                endpoints.close(tx.session, endpoint, cleanup=True)
                 return
             state = endpoint.state
             if state in (EndpointState.DISCONNECTED_OUTBOUND, EndpointState.CLOSED):
-                raise state_error(endpoint, "end")
+                raise endpoints.state_error(endpoint, "end")
             # END cancels the endpoint's conversation timer: an ended conversation can
             # receive nothing more, so no DialogTimer may arrive for it (an endpoint
             # waiting in DISCONNECTED_OUTBOUND for the far side's END stays a while).
             tx.session.execute("timer_clear", handle=handle)
             if endpoint.is_remote:
-                tx._end_remote(endpoint, error, description)
+                sending.end_remote(tx.session, endpoint, error, description)
                 return
             if state in (EndpointState.DISCONNECTED_INBOUND, EndpointState.ERROR) or far is None:
                 # The far side already ended (or never existed): we are the last to leave.
-                tx._close(endpoint)
+                endpoints.close(tx.session, endpoint)
                 if far is not None and far.state is EndpointState.DISCONNECTED_OUTBOUND:
-                    tx._close(far)
+                    endpoints.close(tx.session, far)
                 return
             tx.session.execute("messages_delete_conversation", handle=handle)
             tx.session.execute("transmission_delete_conversation", handle=handle)
             if far.state is EndpointState.DISCONNECTED_OUTBOUND:
-                tx._close(far)
-                tx._close(endpoint)
+                endpoints.close(tx.session, far)
+                endpoints.close(tx.session, endpoint)
                 return
             seq = tx.session.scalar("endpoint_take_system_sequence", handle=handle)
             if error is None:
-                tx._enqueue_at(far, int(seq), END_DIALOG, None)
+                sending.enqueue_at(tx.session, far, int(seq), END_DIALOG, None)
                 far_state = EndpointState.DISCONNECTED_INBOUND
             else:
                 body = json.dumps({"code": error, "description": description}).encode()
                 # Received before the far side's messages still queued, as SQL Server
                 # receives an Error (they stay receivable after it): see ERROR_SEQUENCE.
-                tx._enqueue_at(far, ERROR_SEQUENCE, ERROR, body)
+                sending.enqueue_at(tx.session, far, ERROR_SEQUENCE, ERROR, body)
                 far_state = EndpointState.ERROR
             tx.session.execute(
                 "endpoint_set_state", handle=str(far.conversation_handle), state=far_state.value
@@ -424,9 +433,9 @@ class ConversationOperations:
         if seconds is None:
             raise exceptions.InvalidArgument("a conversation timer needs a timeout in seconds")
         with self._operation() as tx:
-            endpoint = tx._endpoint(handle)
+            endpoint = endpoints.endpoint(tx.session, handle)
             if endpoint.state in (EndpointState.CLOSED, EndpointState.DISCONNECTED_OUTBOUND):
-                raise state_error(endpoint, "set a timer on")
+                raise endpoints.state_error(endpoint, "set a timer on")
             due = time.time() + seconds
             tx.session.execute("endpoint_set_timer", handle=handle, due=due)
             tx.session.deadline(due)
@@ -439,7 +448,7 @@ class ConversationOperations:
         """
         handle = checks.handle(conversation_handle)
         with self._operation() as tx:
-            return tx._endpoint(handle)
+            return endpoints.endpoint(tx.session, handle)
 
     def conversation_endpoints(self) -> list[ConversationEndpoint]:
         """Every endpoint (``sys.conversation_endpoints``)."""
@@ -449,7 +458,7 @@ class ConversationOperations:
     def peek(self, queue: str) -> list[Message]:
         """The queue's rows without receiving them (``SELECT * FROM queue``)."""
         with self._operation() as tx:
-            tx._queue(queue)
+            endpoints.queue(tx.session, queue)
             return [Message.from_row(r) for r in tx.session.all("queue_peek", name=queue)]
 
     def transmission_queue(self) -> list[Mapping[str, Any]]:
@@ -475,21 +484,25 @@ def lock_for_end(
     groups are locked again first. ``cleanup`` closes only this endpoint: its group only.
     """
     locked: set[str] = set()
-    endpoint = tx._endpoint(handle)
+    endpoint = endpoints.endpoint(tx.session, handle)
     while True:
-        far = None if endpoint.is_remote else tx._far_endpoint(endpoint, create=False)
+        far = None if endpoint.is_remote else endpoints.far(tx.session, endpoint, create=False)
         for group_id in sorted(_groups_to_lock(endpoint, far, cleanup) - locked):
             tx.session.execute("group_lock", group_id=group_id)  # gone: the re-read below tells
             locked.add(group_id)
         try:
             with tx.savepoint():
                 tx.session.execute("endpoints_lock", conversation_id=str(endpoint.conversation_id))
-                endpoint = tx._endpoint(handle)
-                far = None if endpoint.is_remote else tx._far_endpoint(endpoint, create=False)
+                endpoint = endpoints.endpoint(tx.session, handle)
+                far = (
+                    None
+                    if endpoint.is_remote
+                    else endpoints.far(tx.session, endpoint, create=False)
+                )
                 if not _groups_to_lock(endpoint, far, cleanup) <= locked:
                     raise _LockAgain
         except _LockAgain:
-            endpoint = tx._endpoint(handle)
+            endpoint = endpoints.endpoint(tx.session, handle)
             continue
         return endpoint, far
 
@@ -501,16 +514,3 @@ def _groups_to_lock(
     if not cleanup and far is not None and far.state is EndpointState.DISCONNECTED_OUTBOUND:
         groups.add(str(far.conversation_group_id))
     return groups
-
-
-def state_error(endpoint: ConversationEndpoint, action: str) -> exceptions.ConversationStateError:
-    reasons = {
-        EndpointState.DISCONNECTED_INBOUND: "the far side ended it; end it here too",
-        EndpointState.DISCONNECTED_OUTBOUND: "this side already ended it",
-        EndpointState.ERROR: "it is in error (an Error message arrived or its lifetime expired)",
-        EndpointState.CLOSED: "it is closed",
-    }
-    reason = reasons.get(endpoint.state, f"its state is {endpoint.state.name}")
-    return exceptions.ConversationStateError(
-        f"cannot {action} conversation {endpoint.conversation_handle}: {reason}"
-    )

@@ -46,6 +46,7 @@ from scheduler_lib.broker.models import (
     Message,
     MessageStatus,
 )
+from scheduler_lib.broker.ops import endpoints, sending
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker
@@ -335,7 +336,7 @@ class PoisonOperations:
             if isinstance(d, Notify) and isinstance(d.callback, str):
                 resolve(d.callback, "Notify callback")  # fail now, not when routing
         with self._operation() as tx:
-            tx._queue(queue)
+            endpoints.queue(tx.session, queue)
             tx.session.execute("poison_policy_delete", queue=queue)
             if policy is not None:
                 tx.session.execute(
@@ -352,7 +353,7 @@ class PoisonOperations:
         :raises QueueNotFound: for an unknown queue
         """
         with self._operation() as tx:
-            tx._queue(queue)
+            endpoints.queue(tx.session, queue)
             return policy_for(tx, queue)
 
     # failure records (the seed's poison_message_details)
@@ -716,8 +717,12 @@ def _end_with_error(
 
 def requeue(tx: Transaction, message: Message, endpoint: ConversationEndpoint) -> None:
     """Put a message back on its conversation's queue, with its sequence number."""
-    tx._enqueue_at(
-        endpoint, message.message_sequence_number, message.message_type_name, message.body
+    sending.enqueue_at(
+        tx.session,
+        endpoint,
+        message.message_sequence_number,
+        message.message_type_name,
+        message.body,
     )
 
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 
 from scheduler_lib.broker import connections, counters, exceptions, store, wakeup
-from scheduler_lib.broker.models import QueueInfo
+from scheduler_lib.broker.models import QueueInfo, Validation
 from scheduler_lib.broker.store import Row
 
 
@@ -41,6 +41,22 @@ class Owner(Protocol):
     def _after_commit(self, queues: frozenset[str], deadline: float | None) -> None: ...
 
     def _count_rollbacks(self, queues: frozenset[str]) -> None: ...
+
+    # What the operations over a session (``ops/``) use of their broker's process state:
+    # SEND's cache of message types' validations, and the waiting of WAITFOR(RECEIVE).
+    _validation_cache: dict[str, Validation]
+    _last_group_received: dict[str, str]
+    _listener: wakeup.PostgresListener | None
+
+    def _note_blocked_receiver(self, queue: str) -> tuple[float | None, float] | None: ...
+
+    def _unnote_blocked_receiver(self, queue: str, noted: tuple[float | None, float]) -> None: ...
+
+    def _record_empty_receive(self, queue: str) -> None: ...
+
+    def _watch_sqlite(self) -> None: ...
+
+    def _set_waiting(self, queue: str, delta: int, ready_timeout: float = ...) -> bool: ...
 
 
 class Session:

@@ -27,6 +27,7 @@ from scheduler_lib.broker.models import (
     SentBy,
     Validation,
 )
+from scheduler_lib.broker.ops import endpoints, sending
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker
@@ -176,7 +177,7 @@ class Receiver:
                 return False
         queue_cache = tx.session.queue_cache if tx.session.queue_cache is not None else {}
         queue = queue_cache.get(endpoint.queue_name) or queue_cache.setdefault(
-            endpoint.queue_name, tx._queue(endpoint.queue_name)
+            endpoint.queue_name, endpoints.queue(tx.session, endpoint.queue_name)
         )
         if not queue.is_receive_enabled:
             return False
@@ -359,13 +360,15 @@ class Receiver:
             self._endpoints[key] = dataclasses.replace(endpoint, receive_sequence=seq + 1)
         if message_type in (END_DIALOG, ERROR):
             if state is EndpointState.DISCONNECTED_OUTBOUND:
-                tx._close(endpoint)  # both sides have ended: this one was waiting for it
+                endpoints.close(
+                    tx.session, endpoint
+                )  # both sides have ended: this one was waiting for it
             elif state in SENDABLE:
                 # An Error (the far side's END WITH ERROR, or one this broker makes for a
                 # message it refuses) is received ahead of the conversation's messages
                 # still queued, as on a local conversation; EndDialog keeps its place.
                 at = seq if message_type == END_DIALOG else ERROR_SEQUENCE
-                tx._enqueue(accepted, handle, at, message_type, body)
+                sending.enqueue(tx.session, accepted, handle, at, message_type, body)
                 new = (
                     EndpointState.DISCONNECTED_INBOUND
                     if message_type == END_DIALOG
@@ -374,7 +377,7 @@ class Receiver:
                 tx.session.execute("endpoint_set_state", handle=handle, state=new.value)
             return None
         if state in SENDABLE:
-            tx._enqueue(accepted, handle, seq, message_type, body)
+            sending.enqueue(tx.session, accepted, handle, seq, message_type, body)
             if state is EndpointState.STARTED_OUTBOUND:
                 tx.session.execute(
                     "endpoint_set_state", handle=handle, state=EndpointState.CONVERSING.value
@@ -441,9 +444,10 @@ class Receiver:
     @staticmethod
     def _create_target(tx: Transaction, f: Fragment) -> ConversationEndpoint:
         """The target endpoint comes into being with the conversation's first message."""
-        return tx._create_target_endpoint(
+        return endpoints.create_target(
+            tx.session,
             conversation_id=f.conversation_id,
-            service=f.to_service,
+            service_name=f.to_service,
             far_service=f.from_service,
             contract=f.contract,
             lifetime_expires_at=f.lifetime_expires_at,

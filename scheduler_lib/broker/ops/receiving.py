@@ -1,0 +1,218 @@
+"""RECEIVE and GET CONVERSATION GROUP: one look (the one-statement look where the dialect
+has one, else the checked look that locks a group and takes its conversations in order),
+and the wait of ``WAITFOR`` around it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from scheduler_lib.broker import counters, wakeup
+from scheduler_lib.broker.models import MESSAGE_COLUMNS, Message, QueueInfo
+from scheduler_lib.broker.ops import endpoints
+from scheduler_lib.broker.session import Session
+from scheduler_lib.broker.store import Row
+
+T = TypeVar("T")
+
+QUEUE_RECHECK = 1.0  # seconds a waiting RECEIVE trusts the queue's settings
+
+
+def look(
+    session: Session,
+    queue: str,
+    top: int,
+    handle: str | None,
+    group_id: str | None,
+    *,
+    fast_looked: bool = False,
+) -> list[Message]:
+    """One look; ``fast_looked``: the caller has just made the one-statement look."""
+    if not fast_looked and group_id is None:
+        found = fast(session, queue, top, handle)
+        if found:
+            return found
+    # RECEIVEs re-read a queue's settings at most every QUEUE_RECHECK seconds per broker
+    # (a queue turned off elsewhere is noticed that soon, here at once: catalog
+    # changes clear the cache), so an empty look costs one statement, not two.
+    now = time.monotonic()
+    waited = session.broker._waited_queues
+    cached = waited.get(queue)
+    if cached is None or now - cached[0] > QUEUE_RECHECK:
+        cached = waited[queue] = (now, endpoints.queue(session, queue))
+    info = cached[1]
+    if not info.is_receive_enabled:
+        raise info.disabled_error()
+    fast_ran = session.store.features.one_statement_receive and group_id is None
+    if (
+        fast_ran
+        and not info.is_retention_enabled
+        and (handle is not None or info.receive_aging_seconds is None)
+    ):
+        return []  # the one-statement RECEIVE covers this queue: nothing is there
+    take = "receive_take_conversation"
+    if info.is_retention_enabled:
+        take += "_retained"
+    if handle is not None:
+        locked = session.scalar("receive_lock_conversation", queue=queue, handle=handle)
+        if locked is None:
+            return []
+        conversations = [handle]
+    else:
+        if group_id is not None:
+            locked = session.scalar("receive_lock_group", queue=queue, group_id=group_id)
+        else:
+            locked = pick_group(session, info)
+        if locked is None:
+            return []
+        conversations = _arrival_order(
+            session.all("receive_group_firsts", group_id=locked, top=top)
+        )
+    messages: list[Message] = []
+    for conversation in conversations:
+        rows = session.all(take, handle=conversation, top=top - len(messages))
+        messages.extend(sorted(map(Message.from_row, rows), key=_sequence))
+        if len(messages) >= top:
+            break
+    session.mark_written()
+    if messages:
+        session.tally(counters.RECEIVED, queue, n=len(messages))
+        session.receipt(queue)
+        # Inside this transaction: only a commit ends the queue's run of rollbacks.
+        session.execute("queue_reset_rollbacks", name=queue)
+    return messages
+
+
+def pick_group(session: Session, queue: QueueInfo, query: str = "receive_pick_group") -> str | None:
+    """Lock the group to serve next: with aging on, the group of the oldest message
+    that waited past the bound, whatever its level; otherwise (or if none has) the
+    group of the highest-level message, oldest first."""
+    if queue.receive_aging_seconds is not None:
+        cutoff = time.time() - queue.receive_aging_seconds
+        aged = session.scalar("receive_pick_aged", queue=queue.name, cutoff=cutoff)
+        if aged is not None:
+            return str(aged)
+    picked = session.scalar(query, queue=queue.name)
+    return None if picked is None else str(picked)
+
+
+def fast(session: Session, queue: str, top: int, handle: str | None = None) -> list[Message]:
+    """RECEIVE (of one conversation, with ``handle``) in one statement where the
+    dialect has one; ``[]`` also when the queue needs the checked path (unknown,
+    disabled, retention)."""
+    query = "receive_fast" if handle is None else "receive_fast_conversation"
+    if not session.store.features.one_statement_receive:
+        return []
+    params: dict[str, Any] = {"queue": queue, "top": top}
+    if handle is not None:
+        params["handle"] = handle
+    rows = session.rows(query, **params)
+    if not rows:
+        return []
+    session.mark_written()
+    session.receipt(queue)  # the statement reset the rollback count itself
+    session.tally(counters.RECEIVED, queue, n=len(rows))
+    # The statement returns them in RECEIVE's order.
+    return [Message.from_row(dict(zip(MESSAGE_COLUMNS, r, strict=True))) for r in rows]
+
+
+def group_once(session: Session, queue: str) -> uuid.UUID | None:
+    """One look of GET CONVERSATION GROUP: the group locked, or ``None``."""
+    info = endpoints.queue(session, queue)
+    if not info.is_receive_enabled:
+        raise info.disabled_error()
+    group_id = pick_group(session, info, query="get_group_pick")
+    if group_id is None:
+        return None
+    session.mark_written()  # the group stays locked until the transaction ends
+    return uuid.UUID(group_id)
+
+
+def wait_for(
+    session: Session,
+    queue: str,
+    timeout: float | None,
+    attempt: Callable[[], T],
+    empty: T,
+    *,
+    unfiltered: bool = True,
+    looked: tuple[int, Callable[[], T]] | None = None,
+) -> T:
+    """Run ``attempt`` until it finds something or ``timeout`` passes (WAITFOR).
+
+    :param looked: the caller has just looked (one statement) and found nothing: the
+        wakeup generation it read before that look, and the rest of a first attempt
+        after it — so an empty RECEIVE costs one look, not two
+    """
+    broker = session.broker
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waiter_registered = False
+    try:
+        while True:
+            noted = None
+            if looked is not None:
+                (seen, rest), looked = looked, None
+                found = rest()
+            else:
+                seen = broker._wakeups.generation(queue)
+                if unfiltered and not session.in_gate:
+                    noted = broker._note_blocked_receiver(queue)
+                found = attempt()
+            if found:
+                group = _group_of(found)
+                # SQLite: a receiver that queued for the write lock and then got the
+                # group the previous holder just let go of was waiting for that group
+                # (PostgreSQL's second reader would have found it locked, and empty):
+                # its note stands. One that got another group was a busy reader.
+                if noted is not None and broker._last_group_received.get(queue) != group:
+                    broker._unnote_blocked_receiver(queue, noted)
+                if group is not None:
+                    broker._last_group_received[queue] = group
+                session.received_from(queue)
+                return found
+            session.release_while_idle()
+            if unfiltered and not session.wrote:
+                # Queue monitors read this as "a reader is here, waiting for work".
+                broker._record_empty_receive(queue)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return empty
+            broker._watch_sqlite()
+            if broker._listener is not None and not waiter_registered:
+                waiter_registered = True
+                if broker._set_waiting(queue, +1):
+                    # Senders NOTIFY only while somebody is registered: look once more
+                    # after registering, so a message sent meanwhile is not missed.
+                    continue
+            poll = (
+                wakeup.POSTGRESQL_POLL_INTERVAL
+                if broker._listener is not None
+                else wakeup.SQLITE_POLL_INTERVAL
+            )
+            broker._wakeups.wait(queue, seen, poll if remaining is None else min(poll, remaining))
+    finally:
+        if waiter_registered:
+            broker._set_waiting(queue, -1)
+
+
+def _arrival_order(firsts: list[Row]) -> list[str]:
+    """RECEIVE's order of a group's conversations, from ``receive_group_firsts`` (rows by
+    level, then arrival): each conversation where its oldest ready message first appears —
+    by level, then by that message's arrival, never by the handle's text."""
+    return list(dict.fromkeys(str(row["conversation_handle"]) for row in firsts))
+
+
+def _sequence(message: Message) -> int:
+    """A conversation's order (DELETE ... RETURNING promises no order of its own)."""
+    return message.message_sequence_number
+
+
+def _group_of(found: object) -> str | None:
+    """The conversation group a RECEIVE (its messages) or GET CONVERSATION GROUP got."""
+    if isinstance(found, uuid.UUID):
+        return str(found)
+    if isinstance(found, list) and found and isinstance(found[0], Message):
+        return str(found[0].conversation_group_id)
+    return None
