@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import exceptions, routes
+from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.models import (
     DEFAULT,
@@ -26,7 +26,7 @@ from scheduler_lib.broker.models import (
     EndpointState,
     Message,
 )
-from scheduler_lib.broker.ops import endpoints, receiving, sending
+from scheduler_lib.broker.ops import endpoints, receiving, routes, sending
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.leases import Lease
@@ -77,7 +77,7 @@ class ConversationOperations:
             initiator = endpoints.service(tx.session, from_service)
             # A service this broker hosts is local; another broker's is reached by route.
             is_remote = tx.session.one("service_get", name=to_service) is None
-            if is_remote and routes.remote_route(tx, to_service) is None:
+            if is_remote and routes.remote_route(tx.session, to_service) is None:
                 raise exceptions.ServiceNotFound(
                     f"service {to_service!r} does not exist here and no route leads to it",
                     hint=f"create_route('...', {to_service!r}, 'tcp://host:port')",

@@ -38,7 +38,8 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import counters, exceptions, routes, wakeup
+from scheduler_lib.broker import counters, exceptions, wakeup
+from scheduler_lib.broker.ops import routes
 from scheduler_lib.broker.transport import delivery, frames, reports
 from scheduler_lib.broker.transport.links import Link, Outgoing
 
@@ -525,7 +526,7 @@ class TransportEndpoint:
         if cached is not None and now - cached[0] < ROUTE_CACHE_TTL:
             return cached[1]
         with self._broker.transaction() as tx:
-            route = routes.remote_route(tx, service)
+            route = routes.remote_route(tx.session, service)
         self._route_cache[service] = (now, route)
         return route
 
