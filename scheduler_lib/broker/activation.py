@@ -34,10 +34,10 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import counters, events, exceptions, wakeup
-from scheduler_lib.broker.events import QUEUE_ACTIVATION
+from scheduler_lib.broker import counters, exceptions, wakeup
 from scheduler_lib.broker.models import QueueInfo
-from scheduler_lib.broker.ops import endpoints
+from scheduler_lib.broker.ops import endpoints, events
+from scheduler_lib.broker.ops.events import QUEUE_ACTIVATION
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker
@@ -507,7 +507,7 @@ class ActivationRuntime:
             timed_out = now - (monitor["last_notified_at"] or 0) >= self.notification_timeout
             if not (received_since or timed_out):
                 return 0
-        posted = events.post(tx, queue, QUEUE_ACTIVATION, now=now)
+        posted = events.post(tx.session, queue, QUEUE_ACTIVATION, now=now)
         tx.session.execute("monitor_notified", queue=queue, head=head, now=now)
         return posted
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from scheduler_lib.broker import exceptions
-from scheduler_lib.broker.catalog import EVENT_MESSAGE_TYPE
 from scheduler_lib.broker.models import END_DIALOG, ERROR
+from scheduler_lib.broker.ops.catalog import EVENT_MESSAGE_TYPE
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker

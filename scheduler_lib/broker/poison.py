@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from scheduler_lib.broker import counters, events, exceptions
+from scheduler_lib.broker import counters, exceptions
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.activation import resolve
 from scheduler_lib.broker.models import (
@@ -46,7 +46,7 @@ from scheduler_lib.broker.models import (
     Message,
     MessageStatus,
 )
-from scheduler_lib.broker.ops import endpoints, sending
+from scheduler_lib.broker.ops import endpoints, events, sending
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker
@@ -557,7 +557,7 @@ def count_rollbacks(tx: Transaction, queues: Iterable[str]) -> list[str]:
             try:
                 with tx.savepoint():  # the queue goes off even if a subscriber is broken
                     events.post(
-                        tx, queue, events.BROKER_QUEUE_DISABLED, {"Reason": reason}, now=now
+                        tx.session, queue, events.BROKER_QUEUE_DISABLED, {"Reason": reason}, now=now
                     )
             except Exception:
                 log.exception("posting BROKER_QUEUE_DISABLED for %s failed", queue)
@@ -631,7 +631,7 @@ def _notify(
         try:
             with tx.savepoint():
                 events.post(
-                    tx,
+                    tx.session,
                     message.queue_name,
                     events.POISON_MESSAGE,
                     {

@@ -45,6 +45,11 @@ class Owner(Protocol):
     # What the operations over a session (``ops/``) use of their broker's process state:
     # SEND's cache of message types' validations, and the waiting of WAITFOR(RECEIVE).
     _validation_cache: dict[str, Validation]
+    max_message_size: int
+
+    @property
+    def url(self) -> sa.URL: ...
+
     _last_group_received: dict[str, str]
     _listener: wakeup.PostgresListener | None
 

@@ -26,6 +26,13 @@ from scheduler_lib.broker.store import Row
 Before = tuple[str, Mapping[str, Any]]  # a named statement and its binds
 
 
+def send(session: Session, handle: str, message_type: str, data: bytes | None) -> int:
+    """SEND inside the session's transaction: in one statement where it can, else the
+    checked way. Its sequence number."""
+    seq, _ = fast(session, handle, message_type, data)
+    return seq if seq is not None else checked(session, handle, message_type, data)
+
+
 def fast(
     session: Session,
     handle: str,

@@ -11,19 +11,19 @@ import contextlib
 import json
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from scheduler_lib.broker.catalog import (
+from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.exceptions import BrokerError
+from scheduler_lib.broker.models import ConversationEndpoint, EndpointState
+from scheduler_lib.broker.ops import conversations, sending
+from scheduler_lib.broker.ops.catalog import (
     EVENT_CONTRACT,
     EVENT_MESSAGE_TYPE,
     EVENT_SERVICE,
     EVENT_TYPES,
 )
-from scheduler_lib.broker.exceptions import BrokerError
-from scheduler_lib.broker.models import ConversationEndpoint, EndpointState
-
-if TYPE_CHECKING:
-    from scheduler_lib.broker.transaction import Transaction
+from scheduler_lib.broker.session import Session
 
 QUEUE_ACTIVATION = "QUEUE_ACTIVATION"
 BROKER_QUEUE_DISABLED = "BROKER_QUEUE_DISABLED"
@@ -37,45 +37,48 @@ assert set(EVENT_TYPES) == {QUEUE_ACTIVATION, BROKER_QUEUE_DISABLED, POISON_MESS
 
 
 def post(
-    tx: Transaction,
+    session: Session,
     queue: str,
     event_type: str,
     fields: Mapping[str, Any] | None = None,
     *,
     now: float | None = None,
 ) -> int:
-    """Post ``event_type`` on ``queue`` to every subscriber, in ``tx``.
+    """Post ``event_type`` on ``queue`` to every subscriber, in ``session``'s transaction.
 
     :return: how many subscribers it was posted to
     """
-    subscribers = tx.session.all("event_notifications_for", queue=queue, event_type=event_type)
+    subscribers = session.all("event_notifications_for", queue=queue, event_type=event_type)
     if not subscribers:
         return 0
     body = json.dumps(
         {
             "EventType": event_type,
             "PostTime": time.time() if now is None else now,
-            "DatabaseName": tx.broker.url.database,
+            "DatabaseName": session.broker.url.database,
             "ObjectName": queue,
             **(fields or {}),
         }
     )
+    data = checks.body_bytes(body, session.broker.max_message_size)
     for subscriber in subscribers:
         handle = subscriber["conversation_handle"]
-        row = None if handle is None else tx.session.one("endpoint_get", handle=handle)
+        row = None if handle is None else session.one("endpoint_get", handle=handle)
         if row is not None and ConversationEndpoint.from_row(row).state not in SENDABLE:
             # The subscriber ended the dialog (or it failed): leave it and open a new one.
             with contextlib.suppress(BrokerError):
-                tx.end_conversation(handle)
+                conversations.end_conversation(session, handle)
             row = None
         if row is None:
             handle = str(
-                tx.begin_dialog(EVENT_SERVICE, subscriber["to_service_name"], EVENT_CONTRACT)
+                conversations.begin_dialog(
+                    session, EVENT_SERVICE, subscriber["to_service_name"], EVENT_CONTRACT
+                )
             )
-            tx.session.execute(
+            session.execute(
                 "event_notification_set_dialog",
                 name=subscriber["notification_name"],
                 handle=handle,
             )
-        tx.send(handle, EVENT_MESSAGE_TYPE, body)
+        sending.send(session, handle, EVENT_MESSAGE_TYPE, data)
     return len(subscribers)

@@ -38,10 +38,10 @@ from scheduler_lib.broker.models import (
     Validation,
 )
 from scheduler_lib.broker.ops import endpoints, sending
+from scheduler_lib.broker.session import Session
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.store import Row
-    from scheduler_lib.broker.transaction import Transaction
 
 _SENDABLE = (
     EndpointState.STARTED_OUTBOUND,
@@ -50,12 +50,12 @@ _SENDABLE = (
 )
 
 
-def release_held(tx: Transaction, queue: str) -> None:
+def release_held(session: Session, queue: str) -> None:
     """Deliver the messages held for ``queue`` (which is on now), in arrival order."""
-    tx.session.mark_written()
+    session.mark_written()
     refused: list[tuple[str, int, str]] = []  # (receiving handle, its number, why)
     failed: set[str] = set()
-    for row in tx.session.all("held_to_check", queue=queue):
+    for row in session.all("held_to_check", queue=queue):
         handle = str(row["conversation_handle"])
         if handle in failed:
             continue
@@ -64,14 +64,14 @@ def release_held(tx: Transaction, queue: str) -> None:
             continue
         failed.add(handle)
         # It and everything of its conversation held after it stay out of the queue.
-        tx.session.execute("held_drop_from", handle=handle, message_id=row["message_id"])
+        session.execute("held_drop_from", handle=handle, message_id=row["message_id"])
         refused.append((handle, int(row["message_sequence_number"]), reason))
-    tx.session.execute("held_reprioritize", queue=queue)
-    tx.session.execute("transmission_release", queue=queue)
-    tx.session.execute("transmission_delete_queue", queue=queue)
-    tx.session.touched(queue)
+    session.execute("held_reprioritize", queue=queue)
+    session.execute("transmission_release", queue=queue)
+    session.execute("transmission_delete_queue", queue=queue)
+    session.touched(queue)
     for handle, seq, reason in refused:
-        _fail(tx, handle, seq, reason)
+        _fail(session, handle, seq, reason)
 
 
 def _refusal(row: Row) -> str | None:
@@ -88,7 +88,7 @@ def _refusal(row: Row) -> str | None:
     return None
 
 
-def _fail(tx: Transaction, handle: str, seq: int, reason: str) -> None:
+def _fail(session: Session, handle: str, seq: int, reason: str) -> None:
     """Message ``seq`` held for endpoint ``handle`` failed its check on arrival: both
     sides of a local conversation get an ``Error`` and go to ``ER`` (the sender's
     answer is SQL Server's; the receiving side's is what delivery does for a message from
@@ -96,30 +96,29 @@ def _fail(tx: Transaction, handle: str, seq: int, reason: str) -> None:
     queue, as every Error. A target endpoint whose FIRST message it was never came to be
     (SQL Server creates it when that message reaches the queue): it closes. A side whose
     application already ended (``DO``) closes instead of being told."""
-    row = tx.session.one("endpoint_get", handle=handle)
+    row = session.one("endpoint_get", handle=handle)
     if row is None:
         return
     receiver = ConversationEndpoint.from_row(row)
-    sender = None if receiver.is_remote else endpoints.far(tx.session, receiver, create=False)
+    sender = None if receiver.is_remote else endpoints.far(session, receiver, create=False)
     body = json.dumps({"code": checks.INVALID_MESSAGE_CODE, "description": reason}).encode()
     if sender is not None:
         if sender.state is EndpointState.DISCONNECTED_OUTBOUND:
-            endpoints.close(
-                tx.session, sender
-            )  # its END was held behind the message: nobody left to tell
+            # Its END was held behind the message: nobody left to tell.
+            endpoints.close(session, sender)
         elif sender.state in _SENDABLE:
             # The answer is the receiving side's next message; like every Error it is
             # received ahead of what the sender's queue still holds (ERROR_SEQUENCE).
-            tx.session.scalar("endpoint_take_system_sequence", handle=handle)
-            sending.enqueue_at(tx.session, sender, ERROR_SEQUENCE, ERROR, body)
-            tx.session.execute(
+            session.scalar("endpoint_take_system_sequence", handle=handle)
+            sending.enqueue_at(session, sender, ERROR_SEQUENCE, ERROR, body)
+            session.execute(
                 "endpoint_set_state",
                 handle=str(sender.conversation_handle),
                 state=EndpointState.ERROR.value,
             )
     never_arrived = not receiver.is_initiator and not receiver.is_remote and seq == 0
     if never_arrived or receiver.state is EndpointState.DISCONNECTED_OUTBOUND:
-        endpoints.close(tx.session, receiver)
+        endpoints.close(session, receiver)
     elif receiver.state is not EndpointState.CLOSED:
-        sending.enqueue_at(tx.session, receiver, ERROR_SEQUENCE, ERROR, body)
-        tx.session.execute("endpoint_set_state", handle=handle, state=EndpointState.ERROR.value)
+        sending.enqueue_at(session, receiver, ERROR_SEQUENCE, ERROR, body)
+        session.execute("endpoint_set_state", handle=handle, state=EndpointState.ERROR.value)
