@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.processes import HarnessError, Processes, init, wait_for
-from scheduler_lib.broker import Broker, Message, PoisonDetector, PoisonPolicy, Transaction
+from scheduler_lib.broker import Broker, Message, Transaction
+from scheduler_lib.broker.poison import PoisonDetector, PoisonPolicy
 from scheduler_lib.scheduler import Semaphores, Target, Task, TaskScheduler, metrics
 from scheduler_lib.scheduler import init as init_scheduler
 

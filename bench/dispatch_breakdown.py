@@ -151,7 +151,7 @@ def instrumented_worker(url: str, record: str) -> None:
 
     from bench.peers.worker import ours_worker
     from scheduler_lib.broker import broker as broker_module
-    from scheduler_lib.broker import wakeup
+    from scheduler_lib.broker.db import wakeup
 
     seen: dict[str, list[Any]] = {"notify": [], "take_issued": [], "take_done": []}
     notify: Callable[..., Any] = wakeup.Wakeups.notify

@@ -30,14 +30,13 @@ from scheduler_lib.broker import (
     CannotConnect,
     DatabaseUnavailable,
     InvalidArgument,
-    PoisonMessage,
     QueueInfo,
     activation,
-    connections,
-    engine,
     schema,
     transport,
 )
+from scheduler_lib.broker.db import connections, engine
+from scheduler_lib.broker.poison import PoisonMessage
 from scheduler_lib.scheduler import logs, metrics, reporting
 
 T = TypeVar("T")

@@ -27,14 +27,8 @@ from typing import Any
 import sqlalchemy as sa
 from airflow.sdk import BaseHook
 
-from scheduler_lib.broker import (
-    Broker,
-    ConnectionLost,
-    DatabaseUnavailable,
-    connections,
-    engine,
-    schema,
-)
+from scheduler_lib.broker import Broker, ConnectionLost, DatabaseUnavailable, schema
+from scheduler_lib.broker.db import connections, engine
 from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
 from scheduler_lib.scheduler import KindNotAllowed, TaskScheduler, catalog
 

@@ -67,7 +67,8 @@ from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Respo
 from fastapi.responses import HTMLResponse
 
 from scheduler_lib.airflow import hooks
-from scheduler_lib.broker import Broker, engine
+from scheduler_lib.broker import Broker
+from scheduler_lib.broker.db import engine
 from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
 from scheduler_lib.scheduler import TaskScheduler, monitor
 from scheduler_lib.scheduler.errors import SchedulerEnded

@@ -1,7 +1,17 @@
 """A Service-Broker-style message broker on SQLAlchemy (SQLite embedded, PostgreSQL in
 production): message types, contracts, queues, services, conversations with exactly-once
-in-order delivery, conversation groups and their locks, timers and lifetimes."""
+in-order delivery, conversation groups and their locks, timers and lifetimes.
 
+Here: the broker and its transactions, what they return, and what they raise. The poison
+message policies and their detector have their own namespace,
+:mod:`scheduler_lib.broker.poison` (``from scheduler_lib.broker.poison import
+PoisonPolicy, Park``).
+"""
+
+import warnings
+from typing import Any
+
+from scheduler_lib.broker import poison
 from scheduler_lib.broker.broker import Broker
 from scheduler_lib.broker.exceptions import (
     AlreadyExists,
@@ -44,19 +54,6 @@ from scheduler_lib.broker.models import (
     SentBy,
     Validation,
 )
-from scheduler_lib.broker.poison import (
-    Drop,
-    EndConversation,
-    History,
-    Log,
-    Notify,
-    Outcome,
-    Park,
-    PoisonDetector,
-    PoisonEvent,
-    PoisonMessage,
-    PoisonPolicy,
-)
 from scheduler_lib.broker.routes import LOCAL, Route
 from scheduler_lib.broker.transaction import Transaction
 
@@ -81,28 +78,17 @@ __all__ = [
     "ConversationStateError",
     "DatabaseError",
     "DatabaseUnavailable",
-    "Drop",
-    "EndConversation",
     "EndpointState",
-    "History",
     "InUse",
     "InvalidArgument",
     "InvalidMessageBody",
     "Lease",
     "LeaseLost",
-    "Log",
     "Message",
     "MessageStatus",
     "MessageTooLarge",
     "MessageTypeNotFound",
     "NotFound",
-    "Notify",
-    "Outcome",
-    "Park",
-    "PoisonDetector",
-    "PoisonEvent",
-    "PoisonMessage",
-    "PoisonPolicy",
     "QueueDisabled",
     "QueueInfo",
     "QueueNotFound",
@@ -113,4 +99,33 @@ __all__ = [
     "Transaction",
     "TransactionError",
     "Validation",
+    "poison",
 ]
+
+# Exported here before they had a namespace of their own: still found, with a warning.
+_MOVED_TO_POISON = frozenset(
+    {
+        "Drop",
+        "EndConversation",
+        "History",
+        "Log",
+        "Notify",
+        "Outcome",
+        "Park",
+        "PoisonDetector",
+        "PoisonEvent",
+        "PoisonMessage",
+        "PoisonPolicy",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_POISON:
+        warnings.warn(
+            f"import {name} from scheduler_lib.broker.poison (scheduler_lib.broker.{name} will go)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(poison, name)
+    raise AttributeError(f"module 'scheduler_lib.broker' has no attribute {name!r}")

@@ -34,7 +34,8 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import counters, exceptions, wakeup
+from scheduler_lib.broker import counters, exceptions
+from scheduler_lib.broker.db import wakeup
 from scheduler_lib.broker.models import QueueInfo
 from scheduler_lib.broker.ops import endpoints, events
 from scheduler_lib.broker.ops.events import QUEUE_ACTIVATION

@@ -14,20 +14,13 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import (
-    connections,
-    counters,
-    exceptions,
-    poison,
-    schema,
-    store,
-    wakeup,
-)
-from scheduler_lib.broker import engine as engines
+from scheduler_lib.broker import counters, exceptions, poison, schema
 from scheduler_lib.broker import leases as leasing
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
+from scheduler_lib.broker.db import connections, store, wakeup
+from scheduler_lib.broker.db import engine as engines
 from scheduler_lib.broker.leases import Lease, LeaseOperations
 from scheduler_lib.broker.models import QueueInfo, Validation
 from scheduler_lib.broker.ops import timers

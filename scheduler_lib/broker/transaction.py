@@ -10,11 +10,11 @@ import sqlalchemy as sa
 
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
+from scheduler_lib.broker.db.session import Session
+from scheduler_lib.broker.db.store import Row
 from scheduler_lib.broker.leases import LeaseOperations
 from scheduler_lib.broker.poison import PoisonOperations
 from scheduler_lib.broker.routes import RouteOperations
-from scheduler_lib.broker.session import Session
-from scheduler_lib.broker.store import Row
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker

@@ -16,14 +16,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from scheduler_lib.broker import Broker, PoisonPolicy, schema
+from scheduler_lib.broker import Broker, schema
 from scheduler_lib.broker.exceptions import (
     AlreadyExists,
     ContractNotFound,
     InvalidArgument,
     SchemaNotCurrent,
 )
-from scheduler_lib.broker.poison import Notify
+from scheduler_lib.broker.poison import Notify, PoisonPolicy
 
 MIGRATIONS = schema.MigrationSet("scheduler_lib.scheduler:migrations", "scheduler_alembic_version")
 QUERIES = "scheduler_lib.scheduler"

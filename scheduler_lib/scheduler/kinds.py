@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import engine as engines
 from scheduler_lib.broker.activation import resolve
+from scheduler_lib.broker.db import engine as engines
 from scheduler_lib.broker.exceptions import InvalidArgument
 from scheduler_lib.scheduler.errors import InvalidTask, UnknownKind
 

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from scheduler_lib.broker import Broker, activation
-from scheduler_lib.broker.connections import Availability
+from scheduler_lib.broker.db.connections import Availability
 from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
 from scheduler_lib.scheduler import catalog
 from scheduler_lib.scheduler.client import Completion, RunReport, TaskScheduler

@@ -10,16 +10,9 @@ import sys
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import (
-    Broker,
-    Log,
-    Message,
-    PoisonDetector,
-    PoisonPolicy,
-    Transaction,
-    engine,
-    schema,
-)
+from scheduler_lib.broker import Broker, Message, Transaction, schema
+from scheduler_lib.broker.db import engine
+from scheduler_lib.broker.poison import Log, PoisonDetector, PoisonPolicy
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -31,8 +31,9 @@ import pytest
 import sqlalchemy as sa
 
 from scheduler_lib import __version__
-from scheduler_lib.broker import Broker, Log, Message, PoisonDetector, PoisonPolicy, Transaction
+from scheduler_lib.broker import Broker, Message, Transaction
 from scheduler_lib.broker import schema as broker_schema
+from scheduler_lib.broker.poison import Log, PoisonDetector, PoisonPolicy
 from scheduler_lib.scheduler import Target, Task, TaskScheduler
 from tests.scrape import samples
 

@@ -31,7 +31,7 @@ import sqlalchemy as sa
 from multiproc import poll  # tests/integration, on the path by this folder's conftest
 
 from scheduler_lib.broker import Broker, activation
-from scheduler_lib.broker import queries as broker_queries
+from scheduler_lib.broker.db import queries as broker_queries
 from scheduler_lib.broker.exceptions import InvalidArgument
 from scheduler_lib.scheduler import Target, Task, TaskScheduler, init, monitor
 

@@ -26,24 +26,26 @@ from scheduler_lib.broker import (
     ConversationGroupNotFound,
     ConversationNotFound,
     ConversationStateError,
-    EndConversation,
     InUse,
     InvalidArgument,
     InvalidMessageBody,
     Lease,
     LeaseLost,
-    Log,
     MessageTooLarge,
     MessageTypeNotFound,
     NotFound,
-    Notify,
-    Park,
-    PoisonDetector,
-    PoisonPolicy,
     QueueDisabled,
     QueueNotFound,
     ServiceContractMismatch,
     ServiceNotFound,
+)
+from scheduler_lib.broker.poison import (
+    EndConversation,
+    Log,
+    Notify,
+    Park,
+    PoisonDetector,
+    PoisonPolicy,
 )
 
 INITIATOR = "InitiatorService"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_lib.broker import Broker, Log, PoisonDetector, PoisonPolicy, counters
-from scheduler_lib.broker.poison import ROLLBACK_LIMIT
+from scheduler_lib.broker import Broker, counters
+from scheduler_lib.broker.poison import ROLLBACK_LIMIT, Log, PoisonDetector, PoisonPolicy
 
 QUEUE = "TargetQueue"
 

@@ -26,7 +26,7 @@ indistinguishable:
 
 How the fast paths are switched off: the second broker's store gets SQLite's strategies
 for them (``store.features``: no one-statement SEND, RECEIVE or take; see
-``scheduler_lib/broker/dialects.py``) and forgets the five statements (they leave its own
+``scheduler_lib/broker/db/dialects.py``) and forgets the five statements (they leave its own
 dict of named queries, which each ``Store`` copies for itself). That broker then takes the
 path a dialect without them takes, and a caller that ran one of them unguarded would fail
 with a KeyError instead of quietly shortcutting the checked run. Editing the SQL would
@@ -78,7 +78,7 @@ import pytest
 import sqlalchemy as sa
 
 from scheduler_lib.broker import DIALOG_TIMER, Broker, EndpointState, Lease, Message
-from scheduler_lib.broker.store import Store
+from scheduler_lib.broker.db.store import Store
 
 pytestmark = pytest.mark.postgres
 

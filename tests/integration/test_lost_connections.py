@@ -42,7 +42,7 @@ def test_a_lost_connection_is_ridden_through_and_replaced(
         assert _kill_our_backends(postgres_url) >= 1
         # When it goes on, Then the calls work: the one that met a dead connection ran
         # again on a fresh one, and the loss was logged, not raised
-        with caplog.at_level(logging.WARNING, logger="scheduler_lib.broker.connections"):
+        with caplog.at_level(logging.WARNING, logger="scheduler_lib.broker.db.connections"):
             log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -3))
         assert any("connection was lost" in r.getMessage() for r in caplog.records)
         assert broker.availability.available

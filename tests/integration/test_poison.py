@@ -20,23 +20,25 @@ from scheduler_lib.broker import (
     Broker,
     ConversationNotFound,
     ConversationStateError,
-    Drop,
-    EndConversation,
     EndpointState,
     LeaseLost,
-    Log,
     Message,
     NotFound,
+    QueueDisabled,
+    Transaction,
+)
+from scheduler_lib.broker.broker import TIMER_POLL_INTERVAL
+from scheduler_lib.broker.poison import (
+    POISON_ERROR_CODE,
+    Drop,
+    EndConversation,
+    Log,
     Notify,
     Park,
     PoisonDetector,
     PoisonEvent,
     PoisonPolicy,
-    QueueDisabled,
-    Transaction,
 )
-from scheduler_lib.broker.broker import TIMER_POLL_INTERVAL
-from scheduler_lib.broker.poison import POISON_ERROR_CODE
 
 QUEUE = "TargetQueue"
 EVENTS = "EventQueue"

@@ -17,7 +17,7 @@ import pytest
 
 from scheduler_lib.broker import Broker
 from scheduler_lib.broker.activation import ActivationRuntime
-from scheduler_lib.broker.store import Store
+from scheduler_lib.broker.db.store import Store
 from scheduler_lib.broker.transport.endpoint import TransportEndpoint
 
 pytestmark = pytest.mark.postgres
@@ -130,7 +130,7 @@ def test_a_transport_endpoint_listens_though_nothing_waits_here(broker: Broker) 
 def test_a_connection_lost_at_the_idle_commit_of_a_waiting_synchronization(
     postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from scheduler_lib.broker.session import Session
+    from scheduler_lib.broker.db.session import Session
     from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
 
     broker = Broker(postgres_url, timers=False)

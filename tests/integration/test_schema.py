@@ -15,7 +15,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from scheduler_lib.broker import Broker, engine, schema
+from scheduler_lib.broker import Broker, schema
+from scheduler_lib.broker.db import engine
 from scheduler_lib.scheduler import MIGRATIONS, TaskScheduler
 
 SQL_DIR = pathlib.Path(__file__).resolve().parents[2] / "sql"

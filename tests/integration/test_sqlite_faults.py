@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from scheduler_lib.broker import Broker, DatabaseError
-from scheduler_lib.broker import engine as engines
+from scheduler_lib.broker.db import engine as engines
 from scheduler_lib.scheduler import Target, Task, TaskScheduler, init
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from scheduler_lib.broker import Broker
-from scheduler_lib.broker.store import Store
+from scheduler_lib.broker.db.store import Store
 from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
 
 pytestmark = pytest.mark.postgres

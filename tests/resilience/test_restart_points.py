@@ -34,8 +34,8 @@ from multiproc import poll
 from private_postgres import PrivatePostgres
 
 from scheduler_lib.broker import Broker, ConnectionLost
-from scheduler_lib.broker import store as store_module
-from scheduler_lib.broker.store import Store
+from scheduler_lib.broker.db import store as store_module
+from scheduler_lib.broker.db.store import Store
 from scheduler_lib.scheduler import (
     Completion,
     Executor,

@@ -1,4 +1,4 @@
-"""The broker's strategies per database (scheduler_lib/broker/dialects.py) agree with the
+"""The broker's strategies per database (scheduler_lib/broker/db/dialects.py) agree with the
 statements each dialect ships: a capability resting on named statements is on exactly
 where the dialect has all of them, so code that asks the capability never reaches for a
 statement that is not there, and no fast path is left unused."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from scheduler_lib.broker import dialects, queries
-from scheduler_lib.broker.store import Store
+from scheduler_lib.broker.db import dialects, queries
+from scheduler_lib.broker.db.store import Store
 
 
 @pytest.mark.parametrize("dialect", sorted(dialects.DIALECTS))

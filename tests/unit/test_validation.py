@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_lib.broker import connections, exceptions, queries
+from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.db import connections, queries
 from scheduler_lib.broker.models import Validation
 
 # --- name ----------------------------------------------------------------------------
@@ -372,11 +373,11 @@ COMPOSED = {"receive_take_conversation_retained": "Transaction: the take of a RE
 def test_every_named_query_has_a_caller() -> None:
     # Given the named queries of the broker and of the scheduler, for both dialects
     names: set[str] = set()
-    for package in ("scheduler_lib.broker", "scheduler_lib.scheduler"):
+    for package in ("scheduler_lib.broker.db", "scheduler_lib.scheduler"):
         for dialect in ("sqlite", "postgresql"):
             names |= set(queries.for_dialect(dialect, package))
     # When the library's code is searched for each name, as a string
-    code = "\n".join(p.read_text() for p in Path(queries.__file__).parents[1].rglob("*.py"))
+    code = "\n".join(p.read_text() for p in Path(queries.__file__).parents[2].rglob("*.py"))
     # Then each is called somewhere (a query nobody runs is dead SQL to keep in step)
     called = {n for n in names if f'"{n}"' in code or f"'{n}'" in code}
     assert sorted(names - called - set(COMPOSED)) == []

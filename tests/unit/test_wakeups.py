@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from scheduler_lib.broker.wakeup import Wakeups
+from scheduler_lib.broker.db.wakeup import Wakeups
 
 QUEUE = "InitiatorQueue"
 

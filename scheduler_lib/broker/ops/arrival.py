@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.db.session import Session
 from scheduler_lib.broker.models import (
     ERROR,
     ERROR_SEQUENCE,
@@ -38,10 +39,9 @@ from scheduler_lib.broker.models import (
     Validation,
 )
 from scheduler_lib.broker.ops import endpoints, sending
-from scheduler_lib.broker.session import Session
 
 if TYPE_CHECKING:
-    from scheduler_lib.broker.store import Row
+    from scheduler_lib.broker.db.store import Row
 
 _SENDABLE = (
     EndpointState.STARTED_OUTBOUND,

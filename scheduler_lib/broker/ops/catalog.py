@@ -10,6 +10,7 @@ from typing import Any
 
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.db.session import Session
 from scheduler_lib.broker.models import (
     ANY,
     SYSTEM_MESSAGE_TYPES,
@@ -19,7 +20,6 @@ from scheduler_lib.broker.models import (
     Validation,
 )
 from scheduler_lib.broker.ops import arrival, endpoints
-from scheduler_lib.broker.session import Session
 
 UNSET: Any = object()  # an ALTER argument not given: the setting stays
 DEFAULT_PRIORITY_LEVEL = 5  # level of an endpoint no priority matches

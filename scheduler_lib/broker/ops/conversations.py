@@ -14,6 +14,7 @@ from typing import Any
 
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.db.session import Session
 from scheduler_lib.broker.models import (
     DEFAULT,
     END_DIALOG,
@@ -25,7 +26,6 @@ from scheduler_lib.broker.models import (
     Message,
 )
 from scheduler_lib.broker.ops import endpoints, receiving, routes, sending
-from scheduler_lib.broker.session import Session
 
 
 def begin_dialog(

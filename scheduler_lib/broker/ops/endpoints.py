@@ -9,9 +9,9 @@ import uuid
 from typing import Literal, overload
 
 from scheduler_lib.broker import exceptions
+from scheduler_lib.broker.db.session import Session
+from scheduler_lib.broker.db.store import Row
 from scheduler_lib.broker.models import ConversationEndpoint, EndpointState, QueueInfo
-from scheduler_lib.broker.session import Session
-from scheduler_lib.broker.store import Row
 
 # An endpoint in these states may SEND; so must the far side it sends to.
 SENDABLE_STATES = frozenset({"SO", "SI", "CO"})

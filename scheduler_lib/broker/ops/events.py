@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.db.session import Session
 from scheduler_lib.broker.exceptions import BrokerError
 from scheduler_lib.broker.models import ConversationEndpoint, EndpointState
 from scheduler_lib.broker.ops import conversations, sending
@@ -23,7 +24,6 @@ from scheduler_lib.broker.ops.catalog import (
     EVENT_SERVICE,
     EVENT_TYPES,
 )
-from scheduler_lib.broker.session import Session
 
 QUEUE_ACTIVATION = "QUEUE_ACTIVATION"
 BROKER_QUEUE_DISABLED = "BROKER_QUEUE_DISABLED"

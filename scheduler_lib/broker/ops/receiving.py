@@ -9,11 +9,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from scheduler_lib.broker import counters, wakeup
+from scheduler_lib.broker import counters
+from scheduler_lib.broker.db import wakeup
+from scheduler_lib.broker.db.session import Session
+from scheduler_lib.broker.db.store import Row
 from scheduler_lib.broker.models import MESSAGE_COLUMNS, Message, QueueInfo
 from scheduler_lib.broker.ops import endpoints
-from scheduler_lib.broker.session import Session
-from scheduler_lib.broker.store import Row
 
 T = TypeVar("T")
 

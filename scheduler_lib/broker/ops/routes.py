@@ -16,7 +16,7 @@ from typing import Any
 
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.session import Session
+from scheduler_lib.broker.db.session import Session
 
 LOCAL = "LOCAL"  # the address of a route to a service of this broker
 DEFAULT_PORT = 4022  # Service Broker's customary port

@@ -11,6 +11,8 @@ from typing import Any
 
 from scheduler_lib.broker import counters, exceptions
 from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.db.session import Session
+from scheduler_lib.broker.db.store import Row
 from scheduler_lib.broker.models import (
     END_DIALOG,
     ERROR,
@@ -20,8 +22,6 @@ from scheduler_lib.broker.models import (
     Validation,
 )
 from scheduler_lib.broker.ops import endpoints
-from scheduler_lib.broker.session import Session
-from scheduler_lib.broker.store import Row
 
 Before = tuple[str, Mapping[str, Any]]  # a named statement and its binds
 

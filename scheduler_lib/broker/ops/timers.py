@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from scheduler_lib.broker.db.session import Session
 from scheduler_lib.broker.models import (
     DIALOG_TIMER,
     DIALOG_TIMER_SEQUENCE,
@@ -14,7 +15,6 @@ from scheduler_lib.broker.models import (
     EndpointState,
 )
 from scheduler_lib.broker.ops import endpoints, sending
-from scheduler_lib.broker.session import Session
 
 LIFETIME_EXPIRED_CODE = -8489  # SQL Server's code for "the dialog has exceeded its LIFETIME"
 LIFETIME_RETRY = 1.0  # seconds before expiry looks again at an ended endpoint whose group is held

@@ -38,7 +38,8 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import counters, exceptions, wakeup
+from scheduler_lib.broker import counters, exceptions
+from scheduler_lib.broker.db import wakeup
 from scheduler_lib.broker.ops import routes
 from scheduler_lib.broker.transport import delivery, frames, reports
 from scheduler_lib.broker.transport.links import Link, Outgoing

@@ -12,7 +12,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from scheduler_lib.broker import connections, dialects, exceptions, queries
+from scheduler_lib.broker import exceptions
+from scheduler_lib.broker.db import connections, dialects, queries
 
 TUPLES_OK = 2  # libpq's PGRES_TUPLES_OK: a statement that returned rows succeeded
 

@@ -51,12 +51,12 @@ def parse(source: str) -> dict[str, str]:
     return queries
 
 
-def _read(filename: str, package: str = "scheduler_lib.broker") -> str:
+def _read(filename: str, package: str = "scheduler_lib.broker.db") -> str:
     return (importlib.resources.files(package) / "sql" / filename).read_text()
 
 
 @functools.cache
-def for_dialect(dialect: str, package: str = "scheduler_lib.broker") -> dict[str, TextClause]:
+def for_dialect(dialect: str, package: str = "scheduler_lib.broker.db") -> dict[str, TextClause]:
     """A package's queries for a dialect: its ``sql/queries.sql`` with the dialect's
     overrides (``sql/queries_<dialect>.sql``) on top.
 

@@ -21,9 +21,10 @@ from typing import Any, Protocol
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import connections, counters, exceptions, store, wakeup
+from scheduler_lib.broker import counters, exceptions
+from scheduler_lib.broker.db import connections, store, wakeup
+from scheduler_lib.broker.db.store import Row
 from scheduler_lib.broker.models import QueueInfo, Validation
-from scheduler_lib.broker.store import Row
 
 
 class Owner(Protocol):
