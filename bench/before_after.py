@@ -53,7 +53,11 @@ BENCHES = {
 
 def _report(text: str) -> dict[str, Any]:
     """The JSON report a benchmark prints last."""
-    return json.loads(text[text.index("\n{") + 1 : text.rindex("\n}") + 2])
+    start = re.search(r"(?m)^\{$", text)
+    end = text.rindex("\n}")
+    if start is None:
+        raise ValueError("no JSON report in the output")
+    return json.loads(text[start.start() : end + 2])
 
 
 def _p50(label: str) -> Callable[[str], float]:
@@ -148,7 +152,7 @@ def _run(tree: Path, module: list[str]) -> str:
     )
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(module)} in {tree} failed:\n{done.stderr[-2000:]}")
-    return done.stdout + done.stderr
+    return done.stderr + "\n" + done.stdout
 
 
 def main(argv: list[str] | None = None) -> int:
