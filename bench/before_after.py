@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         before = statistics.median(figures["before"][label])
         after = statistics.median(figures["after"][label])
         rows.append(
-            f"| {label}{f' ({unit})' if unit else ''} | {before:.3g} | {after:.3g} "
+            f"| {label}{f' ({unit})' if unit else ''} | {before:.4g} | {after:.4g} "
             f"| {after / before:.2f} |"
         )
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -22,7 +22,6 @@ while the first never sees an empty result — only works the way it is implemen
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import multiprocessing
 import os
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scheduler_lib.broker import counters, exceptions
+from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.db import wakeup
 from scheduler_lib.broker.models import QueueInfo
 from scheduler_lib.broker.ops import endpoints, events
@@ -84,21 +84,6 @@ def stopping() -> bool:
     return stopped is not None and stopped.is_set()
 
 
-def resolve(dotted: str, what: str = "activation procedure") -> Callable[..., Any]:
-    """The callable named by ``package.module.function`` or ``package.module:function``.
-
-    :raises InvalidArgument: when it cannot be imported
-    """
-    module_name, _, attribute = dotted.replace(":", ".").rpartition(".")
-    try:
-        target = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise exceptions.InvalidArgument(f"cannot import {what} {dotted!r}: {exc}") from None
-    if not callable(target):
-        raise exceptions.InvalidArgument(f"{what} {dotted!r} is not callable")
-    return target
-
-
 def _run_in_process(
     url: str, procedure: str, queue: str, task_id: str, setup: Callable[[], None] | None = None
 ) -> None:
@@ -121,7 +106,7 @@ def _run_in_process(
     threading.Thread(target=watch_parent, name="reader-parent-watch", daemon=True).start()
     _reader.task_id = task_id
     with Broker(url, migrate=False, timers=False) as broker:
-        resolve(procedure)(broker, queue)
+        checks.resolve(procedure)(broker, queue)
 
 
 class ActivationRuntime:
@@ -542,7 +527,7 @@ class ActivationRuntime:
                     log.warning("reader process for %s exited with %s", queue, process.exitcode)
             else:
                 _reader.task_id, _reader.stopped = task_id, self._stopped
-                resolve(procedure)(self.broker, queue)
+                checks.resolve(procedure)(self.broker, queue)
         except Exception:
             self._failed_at[queue] = self.clock()
             log.exception(

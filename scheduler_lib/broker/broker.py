@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import counters, exceptions, poison, schema
+from scheduler_lib.broker import counters, exceptions, schema
 from scheduler_lib.broker import leases as leasing
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
@@ -23,6 +23,7 @@ from scheduler_lib.broker.db import connections, store, wakeup
 from scheduler_lib.broker.db import engine as engines
 from scheduler_lib.broker.leases import Lease, LeaseOperations
 from scheduler_lib.broker.models import QueueInfo, Validation
+from scheduler_lib.broker.ops import poison as poisoning
 from scheduler_lib.broker.ops import timers
 from scheduler_lib.broker.poison import PoisonOperations
 from scheduler_lib.broker.routes import RouteOperations
@@ -221,7 +222,7 @@ class Broker(
         duration = checks.timeout(lease, "lease")
         if not duration:
             raise exceptions.InvalidArgument("a lease needs a duration greater than 0 seconds")
-        holder = worker or poison.worker_name()
+        holder = worker or poisoning.worker_name()
         if not self._store.has(query):
             return self.take(queue, 1, timeout, lease=duration, worker=holder, durable=False), None
         record = _Record(query, params, durable)
@@ -503,7 +504,7 @@ class Broker(
         counters.rolled_back(queues)
         try:
             with self.transaction() as tx:
-                poison.count_rollbacks(tx, queues)
+                poisoning.count_rollbacks(tx.session, queues)
         except Exception:  # never hide the error that caused the rollback
             log.warning("could not count a rollback on %s", sorted(queues), exc_info=True)
 
@@ -679,8 +680,8 @@ class Broker(
         with self.transaction() as tx:
             # A lease is not expired before its holder had a whole lease to renew it
             # since the database came back: a live worker is never lost to an outage.
-            fired += leasing.expire_leases(tx, time.time(), self.availability.recovered_at)
-            fired += poison.redeliver_parked(tx, time.time())
+            fired += leasing.expire_leases(tx.session, time.time(), self.availability.recovered_at)
+            fired += poisoning.redeliver_parked(tx.session, time.time())
         return fired
 
     def _run_timers(self) -> None:

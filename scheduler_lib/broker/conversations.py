@@ -199,20 +199,7 @@ class ConversationOperations:
                 if tx.session.store.features.one_statement_receive:
                     looked = seen  # that look ran: the wait need not repeat it
         with self._operation() as tx:
-            return receiving.wait_for(
-                tx.session,
-                queue,
-                wait,
-                lambda: receiving.look(tx.session, queue, top, handle, group_id),
-                [],
-                unfiltered=handle is None and group_id is None,
-                looked=None
-                if looked is None
-                else (
-                    looked,
-                    lambda: receiving.look(tx.session, queue, top, handle, None, fast_looked=True),
-                ),
-            )
+            return receiving.receive(tx.session, queue, top, wait, handle, group_id, looked=looked)
 
     def get_conversation_group(self, queue: str, timeout: float | None = None) -> uuid.UUID | None:
         """WAITFOR (GET CONVERSATION GROUP ... FROM queue): lock the next group with

@@ -8,25 +8,27 @@ or ``send(..., completing=lease)``) in the transaction that answers. A lease nob
 expires (:func:`expire_leases`, run by the broker's timer thread): a silent failure,
 counted and retried or routed by the queue's poison policy (:mod:`~scheduler_lib.broker.poison`).
 
-The one-statement take and its wait (``Broker.take`` with ``durable=False``,
-``Broker.take_recorded``) are the broker's own: they wait in turns per queue and use a
-connection that commits without the WAL flush.
+The fronts' operations here are one line each into :mod:`scheduler_lib.broker.ops.leases`
+(the checked take, renew, complete, abandon, release, expiry). The one-statement take and
+its wait (``Broker.take`` with ``durable=False``, ``Broker.take_recorded``) are the
+broker's own: they wait in turns per queue and use a connection that commits without the
+WAL flush. The heartbeat thread, :class:`LeaseKeeper`, is here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import exceptions, poison
+from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.models import MESSAGE_COLUMNS, ConversationEndpoint, Message
+from scheduler_lib.broker.ops import leases
+from scheduler_lib.broker.ops.leases import DEFAULT_LEASE, Lease, expire_leases, lease_from_row
+from scheduler_lib.broker.ops.poison import worker_name
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker
@@ -34,21 +36,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE = 60.0  # seconds a taken message is held without a heartbeat
-RENEW_RETRY = 1.0  # seconds before a renewal that failed is tried again
-
-
-@dataclasses.dataclass(frozen=True)
-class Lease:
-    """A message taken for long work. Renew it (:meth:`Broker.keep_alive`) while the work
-    runs; complete it in the transaction that answers."""
-
-    lease_id: str
-    message: Message
-    worker: str
-    duration: float
-    expires_at: float
-    taken_at: float | None = None  # when its take committed (the one-statement take)
+__all__ = [
+    "DEFAULT_LEASE",
+    "Lease",
+    "LeaseKeeper",
+    "LeaseOperations",
+    "expire_leases",
+    "lease_from_row",
+]
 
 
 class LeaseOperations:
@@ -99,41 +94,14 @@ class LeaseOperations:
         if not duration:
             raise exceptions.InvalidArgument("a lease needs a duration greater than 0 seconds")
         wait = checks.timeout(timeout)
-        holder = worker or poison.worker_name()
+        holder = worker or worker_name()
+        top = checks.positive_int(top, "top")
         if not durable:
-            taken = self._take_alone(queue, checks.positive_int(top, "top"), duration, holder, wait)
+            taken = self._take_alone(queue, top, duration, holder, wait)
             if taken is not None:
                 return taken
         with self._operation() as tx:
-            if not durable:
-                tx.session.commit_without_flush()
-            messages = tx.receive(queue, top, timeout)
-            now = time.time()
-            leases = [
-                Lease(str(uuid.uuid4()), m, holder, duration, now + duration) for m in messages
-            ]
-            for held in leases:
-                m = held.message
-                tx.session.execute(
-                    "lease_insert",
-                    lease_id=held.lease_id,
-                    queue_name=m.queue_name,
-                    conversation_group_id=str(m.conversation_group_id),
-                    conversation_handle=str(m.conversation_handle),
-                    message_sequence_number=m.message_sequence_number,
-                    message_type_name=m.message_type_name,
-                    message_body=m.body,
-                    priority=m.priority,
-                    service_name=m.service_name,
-                    service_contract_name=m.service_contract_name,
-                    enqueued_at=m.enqueued_at,
-                    worker=holder,
-                    now=now,
-                    expires_at=held.expires_at,
-                )
-            if leases:
-                tx.session.deadline(min(held.expires_at for held in leases))
-            return leases
+            return leases.take(tx.session, queue, top, wait, duration, holder, durable)
 
     def renew(self, lease: Lease) -> float:
         """The worker is alive: the lease lasts another ``lease.duration`` seconds.
@@ -141,14 +109,8 @@ class LeaseOperations:
         :return: the new expiry
         :raises LeaseLost: when the lease already expired or ended
         """
-        now = time.time()
         with self._operation() as tx:
-            if not tx.session.count(
-                "lease_renew", lease_id=lease.lease_id, now=now, expires_at=now + lease.duration
-            ):
-                raise lost_error(lease)
-            tx.session.mark_written()
-        return now + lease.duration
+            return leases.renew(tx.session, lease)
 
     def complete(self, lease: Lease) -> None:
         """End the lease: the work is done. Call it in the transaction that answers, so the
@@ -158,9 +120,7 @@ class LeaseOperations:
             queue or to its disposition) — the answer must not be sent; roll back
         """
         with self._operation() as tx:
-            if not tx.session.count("lease_delete", lease_id=lease.lease_id):
-                raise lost_error(lease)
-            tx.session.mark_written()
+            leases.complete(tx.session, lease)
 
     def abandon(self, lease: Lease, error: BaseException | str | None = None) -> str:
         """Give the message back: its failure is recorded and the queue's poison policy
@@ -170,16 +130,13 @@ class LeaseOperations:
         :raises LeaseLost: when the lease already expired or ended
         """
         with self._operation() as tx:
-            row = tx.session.one("lease_get", lease_id=lease.lease_id)
-            if row is None:
-                raise lost_error(lease)
-            return poison.fail_leased(tx, row, "FAILED", poison.error_text(error))
+            return leases.abandon(tx.session, lease, error)
 
     def holds(self, lease: Lease) -> bool:
         """Whether the lease still exists (not expired, completed, abandoned — nor undone
         by a server crash, for a take that committed without the WAL flush)."""
         with self._operation() as tx:
-            return tx.session.one("lease_get", lease_id=lease.lease_id) is not None
+            return leases.holds(tx.session, lease)
 
     def release(self, lease: Lease) -> None:
         """Give the message back untouched: the work never began (its start could not
@@ -188,54 +145,12 @@ class LeaseOperations:
         :raises LeaseLost: when the lease already expired or ended
         """
         with self._operation() as tx:
-            row = tx.session.one("lease_get", lease_id=lease.lease_id)
-            if row is None:
-                raise lost_error(lease)
-            tx.session.execute("lease_delete", lease_id=lease.lease_id)
-            endpoint = tx.session.one("endpoint_get", handle=row["conversation_handle"])
-            if endpoint is not None:
-                poison.requeue(tx, poison.message_of(row), ConversationEndpoint.from_row(endpoint))
+            leases.release(tx.session, lease)
 
     def leases(self, queue: str | None = None) -> list[Mapping[str, Any]]:
         """Leases held now, oldest first (message bodies left out)."""
         with self._operation() as tx:
-            return [
-                {k: v for k, v in r.items() if k != "message_body"}
-                for r in tx.session.all("lease_list", queue=queue)
-            ]
-
-
-def lease_from_row(row: Sequence[Any], worker: str, duration: float, taken_at: float) -> Lease:
-    """A lease from ``take_fast``'s row: the lease id, then the message's columns."""
-    lease_id, *message = row
-    columns = dict(zip(MESSAGE_COLUMNS[:-1], message, strict=True))
-    taken = poison.message_of(columns)
-    return Lease(str(lease_id), taken, worker, duration, taken_at + duration, taken_at)
-
-
-def lost_error(lease: Lease) -> exceptions.LeaseLost:
-    return exceptions.LeaseLost(
-        f"lease {lease.lease_id} on message {lease.message.message_sequence_number} of "
-        f"conversation {lease.message.conversation_handle} is gone: it expired (the "
-        "message went back to its queue or to its poison disposition) or already ended"
-    )
-
-
-def expire_leases(tx: Transaction, now: float, recovered_at: float = 0.0, limit: int = 100) -> int:
-    """Leases whose heartbeat ran out are silent failures — once their worker had a whole
-    lease to renew them since the database came back (``recovered_at``, epoch seconds)."""
-    expired = 0
-    for row in tx.session.all("leases_expired", now=now, recovered_at=recovered_at, limit=limit):
-        silent = now - float(row["heartbeat_at"])
-        poison.fail_leased(
-            tx,
-            row,
-            "EXPIRED",
-            f"worker lost, lease expired: worker {row['worker']} stopped renewing it "
-            f"(last heartbeat {silent:.1f} s ago)",
-        )
-        expired += 1
-    return expired
+            return leases.listed(tx.session, queue)
 
 
 RENEW_RETRY = 1.0  # seconds before a renewal that failed is tried again

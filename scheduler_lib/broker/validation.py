@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import math
 import re
 import uuid
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from typing import Any
 
 from scheduler_lib.broker import exceptions
@@ -163,3 +165,18 @@ def json_depth(text: str) -> int:
 def _reject_constant(constant: str) -> Any:
     # NaN and Infinity are Python's extension, not JSON (RFC 8259); other readers refuse them.
     raise ValueError(f"{constant} is not valid JSON")
+
+
+def resolve(dotted: str, what: str = "activation procedure") -> Callable[..., Any]:
+    """The callable named by ``package.module.function`` or ``package.module:function``.
+
+    :raises InvalidArgument: when it cannot be imported
+    """
+    module_name, _, attribute = dotted.replace(":", ".").rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise exceptions.InvalidArgument(f"cannot import {what} {dotted!r}: {exc}") from None
+    if not callable(target):
+        raise exceptions.InvalidArgument(f"{what} {dotted!r} is not callable")
+    return target

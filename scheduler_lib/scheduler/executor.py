@@ -680,7 +680,7 @@ class CancelWatcher:
 def report_lost_task(event: PoisonEvent) -> None:
     """The target queue's poison callback: a task whose worker went silent (its lease
     expired ``retries + 1`` times) failed — its row says so and its caller is told."""
-    tx = event.tx
+    tx: Transaction = event.tx  # the routing transaction
     tx.broker.use_queries(catalog.QUERIES)
     message = event.message
     try:

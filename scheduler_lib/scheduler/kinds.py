@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker.activation import resolve
 from scheduler_lib.broker.db import engine as engines
 from scheduler_lib.broker.exceptions import InvalidArgument
+from scheduler_lib.broker.validation import resolve
 from scheduler_lib.scheduler.errors import InvalidTask, UnknownKind
 
 log = logging.getLogger(__name__)

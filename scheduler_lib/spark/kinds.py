@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker.activation import resolve
+from scheduler_lib.broker.validation import resolve
 from scheduler_lib.scheduler.errors import InvalidTask
 from scheduler_lib.scheduler.kinds import (
     TaskContext,

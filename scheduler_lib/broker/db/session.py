@@ -82,6 +82,9 @@ class Session:
         self.autocommit = autocommit  # only for single-statement operations
         # The transport's batches share their queue lookups here (None: not cached).
         self.queue_cache: dict[str, QueueInfo] | None = None
+        #: the public transaction this session serves (a ``Transaction``), handed to the
+        #: user callbacks an operation calls (a ``Notify`` callback's ``PoisonEvent.tx``)
+        self.front: Any = None
         self._engine = engine
         self._connection: sa.Connection | None = None
         self._wrote = False

@@ -21,6 +21,42 @@ T = TypeVar("T")
 QUEUE_RECHECK = 1.0  # seconds a waiting RECEIVE trusts the queue's settings
 
 
+def receive(
+    session: Session,
+    queue: str,
+    top: int,
+    timeout: float | None,
+    handle: str | None = None,
+    group_id: str | None = None,
+    *,
+    looked: int | None = None,
+) -> list[Message]:
+    """WAITFOR (RECEIVE ...) in the session's transaction: the one-statement look where
+    the dialect has one, then the wait of :func:`wait_for` around the checked look.
+
+    :param looked: the caller has just made the one-statement look, in a transaction of
+        its own, and found nothing: the wakeup generation it read before that look
+    """
+    if looked is None and group_id is None and session.store.features.one_statement_receive:
+        seen = session.broker._wakeups.generation(queue)
+        found = fast(session, queue, top, handle)
+        if found:
+            session.received_from(queue)
+            return found
+        looked = seen
+    return wait_for(
+        session,
+        queue,
+        timeout,
+        lambda: look(session, queue, top, handle, group_id),
+        [],
+        unfiltered=handle is None and group_id is None,
+        looked=None
+        if looked is None
+        else (looked, lambda: look(session, queue, top, handle, None, fast_looked=True)),
+    )
+
+
 def look(
     session: Session,
     queue: str,

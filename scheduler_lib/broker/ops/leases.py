@@ -1,0 +1,159 @@
+"""Leases, as plain functions over a session: a message taken for long work waits under
+its worker's heartbeat instead of in an open transaction (seed 004's recovery for workers
+that die). The take here is the checked one, inside the session's transaction; the
+one-statement take that commits on its own and its wait are the broker's
+(``Broker.take(durable=False)``, ``Broker.take_recorded``); the heartbeat thread is
+:class:`~scheduler_lib.broker.leases.LeaseKeeper`. The fronts' ``LeaseOperations``
+documents each operation."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from scheduler_lib.broker import exceptions
+from scheduler_lib.broker.db.session import Session
+from scheduler_lib.broker.models import MESSAGE_COLUMNS, ConversationEndpoint, Message
+from scheduler_lib.broker.ops import poison, receiving
+
+DEFAULT_LEASE = 60.0  # seconds a taken message is held without a heartbeat
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """A message taken for long work. Renew it (:meth:`Broker.keep_alive`) while the work
+    runs; complete it in the transaction that answers."""
+
+    lease_id: str
+    message: Message
+    worker: str
+    duration: float
+    expires_at: float
+    taken_at: float | None = None  # when its take committed (the one-statement take)
+
+
+def take(
+    session: Session,
+    queue: str,
+    top: int,
+    timeout: float | None,
+    duration: float,
+    holder: str,
+    durable: bool,
+) -> list[Lease]:
+    """RECEIVE for long work, in the session's transaction: the messages leave the queue
+    and wait under leases of ``duration`` seconds held by ``holder``. ``durable=False``:
+    the transaction commits without waiting for the WAL flush."""
+    if not durable:
+        session.commit_without_flush()
+    messages = receiving.receive(session, queue, top, timeout)
+    now = time.time()
+    leases = [Lease(str(uuid.uuid4()), m, holder, duration, now + duration) for m in messages]
+    for held in leases:
+        m = held.message
+        session.execute(
+            "lease_insert",
+            lease_id=held.lease_id,
+            queue_name=m.queue_name,
+            conversation_group_id=str(m.conversation_group_id),
+            conversation_handle=str(m.conversation_handle),
+            message_sequence_number=m.message_sequence_number,
+            message_type_name=m.message_type_name,
+            message_body=m.body,
+            priority=m.priority,
+            service_name=m.service_name,
+            service_contract_name=m.service_contract_name,
+            enqueued_at=m.enqueued_at,
+            worker=holder,
+            now=now,
+            expires_at=held.expires_at,
+        )
+    if leases:
+        session.deadline(min(held.expires_at for held in leases))
+    return leases
+
+
+def renew(session: Session, lease: Lease) -> float:
+    """The lease lasts another ``lease.duration`` seconds from now: the new expiry."""
+    now = time.time()
+    if not session.count(
+        "lease_renew", lease_id=lease.lease_id, now=now, expires_at=now + lease.duration
+    ):
+        raise lost_error(lease)
+    session.mark_written()
+    return now + lease.duration
+
+
+def complete(session: Session, lease: Lease) -> None:
+    """End the lease: the work is done."""
+    if not session.count("lease_delete", lease_id=lease.lease_id):
+        raise lost_error(lease)
+    session.mark_written()
+
+
+def abandon(session: Session, lease: Lease, error: BaseException | str | None) -> str:
+    """Give the message back as failed: ``"requeued"`` or ``"routed"``."""
+    row = session.one("lease_get", lease_id=lease.lease_id)
+    if row is None:
+        raise lost_error(lease)
+    return poison.fail_leased(session, row, "FAILED", poison.error_text(error))
+
+
+def holds(session: Session, lease: Lease) -> bool:
+    """Whether the lease still exists."""
+    return session.one("lease_get", lease_id=lease.lease_id) is not None
+
+
+def release(session: Session, lease: Lease) -> None:
+    """Give the message back untouched (nothing counted)."""
+    row = session.one("lease_get", lease_id=lease.lease_id)
+    if row is None:
+        raise lost_error(lease)
+    session.execute("lease_delete", lease_id=lease.lease_id)
+    endpoint = session.one("endpoint_get", handle=row["conversation_handle"])
+    if endpoint is not None:
+        poison.requeue(session, poison.message_of(row), ConversationEndpoint.from_row(endpoint))
+
+
+def listed(session: Session, queue: str | None) -> list[Mapping[str, Any]]:
+    """Leases held now, oldest first (message bodies left out)."""
+    return [
+        {k: v for k, v in r.items() if k != "message_body"}
+        for r in session.all("lease_list", queue=queue)
+    ]
+
+
+def lease_from_row(row: Sequence[Any], worker: str, duration: float, taken_at: float) -> Lease:
+    """A lease from ``take_fast``'s row: the lease id, then the message's columns."""
+    lease_id, *message = row
+    columns = dict(zip(MESSAGE_COLUMNS[:-1], message, strict=True))
+    taken = poison.message_of(columns)
+    return Lease(str(lease_id), taken, worker, duration, taken_at + duration, taken_at)
+
+
+def lost_error(lease: Lease) -> exceptions.LeaseLost:
+    return exceptions.LeaseLost(
+        f"lease {lease.lease_id} on message {lease.message.message_sequence_number} of "
+        f"conversation {lease.message.conversation_handle} is gone: it expired (the "
+        "message went back to its queue or to its poison disposition) or already ended"
+    )
+
+
+def expire_leases(session: Session, now: float, recovered_at: float = 0.0, limit: int = 100) -> int:
+    """Leases whose heartbeat ran out are silent failures — once their worker had a whole
+    lease to renew them since the database came back (``recovered_at``, epoch seconds)."""
+    expired = 0
+    for row in session.all("leases_expired", now=now, recovered_at=recovered_at, limit=limit):
+        silent = now - float(row["heartbeat_at"])
+        poison.fail_leased(
+            session,
+            row,
+            "EXPIRED",
+            f"worker lost, lease expired: worker {row['worker']} stopped renewing it "
+            f"(last heartbeat {silent:.1f} s ago)",
+        )
+        expired += 1
+    return expired
