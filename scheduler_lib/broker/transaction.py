@@ -39,7 +39,7 @@ class Transaction(
         #: the connection and what this transaction's operations did (the broker's own
         #: operations use it; a layer above uses the named-query methods below)
         self.session = Session(broker, autocommit=autocommit, engine=engine)
-        self.session.front = self
+        self.session.serves(self)
 
     # --- lifecycle -------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -82,9 +83,9 @@ class Session:
         self.autocommit = autocommit  # only for single-statement operations
         # The transport's batches share their queue lookups here (None: not cached).
         self.queue_cache: dict[str, QueueInfo] | None = None
-        #: the public transaction this session serves (a ``Transaction``), handed to the
-        #: user callbacks an operation calls (a ``Notify`` callback's ``PoisonEvent.tx``)
-        self.front: Any = None
+        # The public transaction this session serves, held weakly: a reference cycle per
+        # transaction would leave every one to the cyclic garbage collector.
+        self._front: weakref.ref[Any] | None = None
         self._engine = engine
         self._connection: sa.Connection | None = None
         self._wrote = False
@@ -100,6 +101,16 @@ class Session:
         self._lost = False  # ended by a lost connection
         # What it did, counted once it commits (counters.add): (what, *labels) -> n
         self._tally: dict[tuple[str, ...], int] = {}
+
+    @property
+    def front(self) -> Any:
+        """The public transaction this session serves (a ``Transaction``), handed to the
+        user callbacks an operation calls (a ``Notify`` callback's ``PoisonEvent.tx``)."""
+        return None if self._front is None else self._front()
+
+    def serves(self, front: object) -> None:
+        """Name the public transaction this session serves (:attr:`front`)."""
+        self._front = weakref.ref(front)
 
     # --- the one door: named statements on this session's connection -----------------
 
