@@ -117,7 +117,7 @@ class InstrumentedRuntime(ActivationRuntime):
         super().__init__(broker, **options)
         self.last_woken: float | None = None
         self._check_started: float | None = None
-        wakeups = broker._wakeups
+        wakeups = broker.waiting.wakeups
         notify, notify_all = wakeups.notify, wakeups.notify_all
 
         def stamped_notify(queues: Any) -> None:

@@ -16,8 +16,8 @@ Two parts, each on a fresh database cloned from the peers benchmark's template:
    (the take and the task's durable start, two statements in one round trip), the take's
    return to the first line of the task's handler (``bench.peers.handlers.noop``, where
    ``bench.peers`` times every system). The worker here is ``bench.peers.worker``'s, with two
-   timestamps added by wrapping ``Wakeups.notify`` and ``Broker._take_fast`` (diagnostic
-   only: private names, so this script may need updating when they change).
+   timestamps added by wrapping ``Wakeups.notify`` and ``ops.leases.take_fast`` (diagnostic
+   only: internal names, so this script may need updating when they change).
 
 Times are ``time.time()`` on one machine; medians over ``--samples`` tasks after 10
 warm-up ones.
@@ -150,27 +150,27 @@ def instrumented_worker(url: str, record: str) -> None:
     import threading
 
     from bench.peers.worker import ours_worker
-    from scheduler_lib.broker import broker as broker_module
     from scheduler_lib.broker.db import wakeup
+    from scheduler_lib.broker.ops import leases
 
     seen: dict[str, list[Any]] = {"notify": [], "take_issued": [], "take_done": []}
     notify: Callable[..., Any] = wakeup.Wakeups.notify
-    take: Callable[..., Any] = broker_module.Broker._take_fast
+    take: Callable[..., Any] = leases.take_fast
 
     def timed_notify(self: Any, queues: Any) -> None:
         seen["notify"].append(time.time())
         notify(self, queues)
 
-    def timed_take(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def timed_take(*args: Any, **kwargs: Any) -> Any:
         issued = time.time()
-        leases = take(self, *args, **kwargs)
-        if leases:
+        taken = take(*args, **kwargs)
+        if taken:
             seen["take_issued"].append(issued)
             seen["take_done"].append(time.time())
-        return leases
+        return taken
 
     wakeup.Wakeups.notify = timed_notify  # type: ignore[method-assign]
-    broker_module.Broker._take_fast = timed_take  # type: ignore[method-assign]
+    leases.take_fast = timed_take
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # prints READY (for WorkerProcess) once running; the handlers' [tag, start, end]

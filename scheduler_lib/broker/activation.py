@@ -199,7 +199,7 @@ class ActivationRuntime:
         """Start the supervisor (monitors follow the catalog) and the heartbeat."""
         # Monitors are woken by arrivals other processes announce (NOTIFY, or on SQLite
         # their commits) even while no reader of theirs waits here.
-        self.broker._hear_other_processes()
+        self.broker.waiting.hear_other_processes()
         for target, name in (
             (self._supervise, "activation-supervisor"),
             (self._beat, "activation-heartbeat"),
@@ -212,7 +212,7 @@ class ActivationRuntime:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop monitoring and wait up to ``timeout`` for running readers to finish."""
         self._stopped.set()
-        self.broker._wakeups.notify_all()
+        self.broker.waiting.wakeups.notify_all()
         deadline = time.monotonic() + timeout
         for thread in [*self._threads, *self._monitors.values(), *list(self._readers.values())]:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -227,7 +227,7 @@ class ActivationRuntime:
 
     def poke(self, queue: str) -> None:
         """Make the queue's monitor re-check now (what arrivals and receives do)."""
-        self.broker._wakeups.notify({queue})
+        self.broker.waiting.wakeups.notify({queue})
 
     def stalled_loops(self, grace: float = LOOP_GRACE) -> list[str]:
         """Its supervisor and heartbeat loops that stopped, or whose last turn began more
@@ -255,7 +255,7 @@ class ActivationRuntime:
     # --- monitors --------------------------------------------------------------------
 
     def _supervise(self) -> None:
-        wakeups = self.broker._wakeups
+        wakeups = self.broker.waiting.wakeups
         interval = self.idle_check_interval or self.check_interval
         while not self._stopped.is_set():
             self._turns["activation-supervisor"] = (time.monotonic(), interval)
@@ -287,7 +287,7 @@ class ActivationRuntime:
                 thread.start()
 
     def _monitor(self, queue: str) -> None:
-        wakeups = self.broker._wakeups
+        wakeups = self.broker.waiting.wakeups
         try:
             readers_key = _readers_key(queue)
             while not self._stopped.is_set():
@@ -337,10 +337,10 @@ class ActivationRuntime:
 
     def _listen(self, queue: str, on: bool) -> bool:
         """Register (or unregister) for NOTIFY on the queue; whether that changed."""
-        if on == (queue in self._listening) or self.broker._listener is None:
+        if on == (queue in self._listening) or not self.broker.waiting.announced:
             return False
         try:
-            self.broker._set_waiting(queue, +1 if on else -1)
+            self.broker.waiting.set_waiting(queue, +1 if on else -1)
         except Exception as exc:
             self.broker.availability.report(
                 log, f"queue monitor {queue}: (un)registering for NOTIFY failed", exc
@@ -369,7 +369,10 @@ class ActivationRuntime:
                 self._saturated[queue] = False
                 tx.session.execute("monitor_idle", queue=queue, now=now)
                 return Decision(queue, head is not None, running, 0, 0, info.is_activation_eager)
-            stamps = (monitor["last_empty_rowset_at"], self.broker.last_waiting_receiver(queue))
+            stamps = (
+                monitor["last_empty_rowset_at"],
+                self.broker.waiting.last_waiting_receiver(queue),
+            )
             last_empty = max((t for t in stamps if t is not None), default=None)
             nobody_waiting = last_empty is None or now - last_empty >= self.empty_grace
             if (
@@ -545,7 +548,7 @@ class ActivationRuntime:
             with contextlib.suppress(Exception), self.broker.transaction() as tx:
                 tx.session.execute("task_delete", task_id=task_id)
             # "all readers exited" is a reason to re-check at once
-            self.broker._wakeups.notify({queue, _readers_key(queue)})
+            self.broker.waiting.wakeups.notify({queue, _readers_key(queue)})
 
     # --- heartbeats ------------------------------------------------------------------
 

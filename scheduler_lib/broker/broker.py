@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import inspect
@@ -19,10 +18,11 @@ from scheduler_lib.broker import leases as leasing
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.catalog import CatalogOperations
 from scheduler_lib.broker.conversations import ConversationOperations
-from scheduler_lib.broker.db import connections, store, wakeup
+from scheduler_lib.broker.db import connections, store, waiting
 from scheduler_lib.broker.db import engine as engines
 from scheduler_lib.broker.leases import Lease, LeaseOperations
-from scheduler_lib.broker.models import QueueInfo, Validation
+from scheduler_lib.broker.models import Validation
+from scheduler_lib.broker.ops import leases as leasing_ops
 from scheduler_lib.broker.ops import poison as poisoning
 from scheduler_lib.broker.ops import timers
 from scheduler_lib.broker.poison import PoisonOperations
@@ -33,10 +33,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_MESSAGE_SIZE = 64 * 1024 * 1024  # bytes of body a message may carry
-EMPTY_RECEIVE_STAMP_INTERVAL = 0.25  # seconds; how often a process stamps empty receives
 TIMER_POLL_INTERVAL = 1.0  # seconds; the timer thread re-reads the soonest deadline this often
-LISTEN_READY_TIMEOUT = 10.0  # seconds to wait for LISTEN before the first receive relies on it
-WAITER_LINGER = 5.0  # seconds a process stays registered as waiting after its last waiter
 
 
 class Broker(
@@ -93,39 +90,25 @@ class Broker(
         self._async_engine: sa.Engine | None = None  # commits without the WAL flush
         self._read_engine: sa.Engine | None = None  # SQLite's snapshots (snapshot())
         self._async_engine_lock = threading.Lock()
-        # queue -> the lock a taking thread holds while it looks and waits (see _take_waiting)
-        self._take_turns: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self.max_message_size = max_message_size
         # Message type -> validation, for SEND's fast path; the statement re-checks the
         # validation in the database, so a stale entry costs a slow path, never a wrong send.
         self._validation_cache: dict[str, Validation] = {}
         if migrate:
             self.retrying(lambda: _migrating(self._engine), what="migrate")
-        self._wakeups = wakeup.Wakeups()
-        self._listener: wakeup.PostgresListener | None = None
-        self._watcher: wakeup.SqliteWatcher | None = None
-        self._watcher_lock = threading.Lock()
-        if self._store.features.notifies:
-            self._listener = wakeup.PostgresListener(self._engine, self._wakeups)
         self.clock = clock
         # SQLite: one writing transaction at a time, handed over in turn inside a process.
         self._write_gate: threading.RLock | None = (
             threading.RLock() if self._store.features.single_writer else None
         )
         self._write_gate_timeout: float = engines.SQLITE_BUSY_TIMEOUT
-        self._waiters: dict[str, int] = {}  # queue -> this process's waiting receivers
-        self._registered: set[str] = set()  # queues where this process counts as waiting
-        self._waiters_idle_since: dict[str, float] = {}
-        self._waiters_lock = threading.Lock()
-        self._empty_stamped: dict[str, float] = {}
-        self._waiting_noted: dict[str, float] = {}
-        self._last_group_received: dict[str, str] = {}  # queue -> group (SQLite's notes)
-        self._empty_stamp_lock = threading.Lock()
+        # This process's waiting readers: wakeups, registrations, monitors' notes
+        self.waiting = waiting.Waiting(
+            self._engine, self._store, self.availability, clock, self._write_gate
+        )
         self._lease_keeper: leasing.LeaseKeeper | None = None  # started on first use
         self._lease_keeper_lock = threading.Lock()
         self._timer_wakeup = threading.Event()
-        # queue -> (monotonic time read, settings): what RECEIVE checks before it waits
-        self._waited_queues: dict[str, tuple[float, QueueInfo]] = {}
         self._timer_sleeps_until = 0.0  # epoch seconds: when the timer thread looks next
         self._timer_thread: threading.Thread | None = None
         if timers:
@@ -225,103 +208,54 @@ class Broker(
         holder = worker or poisoning.worker_name()
         if not self._store.has(query):
             return self.take(queue, 1, timeout, lease=duration, worker=holder, durable=False), None
-        record = _Record(query, params, durable)
+        record = leasing_ops.Record(query, params, durable)
         wait = checks.timeout(timeout)
         taken = self.retrying(  # as every operation on the broker, through a lost connection
-            lambda: self._take_waiting(queue, 1, duration, holder, wait, record),
+            lambda: self._take_alone(queue, 1, duration, holder, wait, record),
             what="take_recorded",
         )
-        if taken is None:  # the dialect has no one-statement take
+        if taken is None:  # the dialect or the queue needs the checked take
             return self.take(queue, 1, timeout, lease=duration, worker=holder, durable=False), None
         return taken, record.rows if taken else None
 
     def _take_alone(
-        self, queue: str, top: int, duration: float, holder: str, timeout: float | None
-    ) -> list[Lease] | None:
-        # (take itself rides through a lost connection, as every operation on the broker)
-        return self._take_waiting(queue, top, duration, holder, timeout)
-
-    def _take_waiting(
         self,
         queue: str,
         top: int,
         duration: float,
         holder: str,
         timeout: float | None,
-        record: _Record | None = None,
+        record: leasing_ops.Record | None = None,
     ) -> list[Lease] | None:
-        """:meth:`_take_fast` with WAITFOR: tries again whenever the queue may have got
-        messages, until ``timeout``; ``None`` when the dialect cannot, or the queue needs
-        the checked take (retention, receive aging)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        registered = False
-        checked = False
-        # The threads of this process that take from one queue do it in turns: the one
-        # whose turn it is looks, and waits for wakeups; the others wait for the turn.
-        # A message that arrives then wakes one taker, not every idle one (a herd whose
-        # looks all but one find nothing, and slow the one that matters); a taker that
-        # got one hands the turn on at once, so a backlog still goes to all of them.
-        turn = self._take_turns[queue]
-        poll = wakeup.POSTGRESQL_POLL_INTERVAL
-        try:
-            while True:
-                if not turn.acquire(blocking=False):
-                    # Another thread waits for wakeups; look anyway, once per poll interval
-                    # (a message can become takeable with no wakeup here: a group another
-                    # process held, a NOTIFY lost while LISTEN reconnects), then wait for
-                    # the turn.
-                    leases = self._take_fast(queue, top, duration, holder, record)
-                    if leases is None or leases:
-                        return leases
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return []
-                    if not turn.acquire(
-                        timeout=poll if remaining is None else min(poll, remaining)
-                    ):
-                        continue
-                try:
-                    seen = self._wakeups.generation(queue)
-                    leases = self._take_fast(queue, top, duration, holder, record)
-                    if leases is None or leases:
-                        return leases
-                    if not checked:
-                        info = self.queue(queue)  # unknown or off: say so, as RECEIVE does
-                        if not info.is_receive_enabled:
-                            raise info.disabled_error()
-                        if info.is_retention_enabled or info.receive_aging_seconds is not None:
-                            # take_fast leaves these queues to the checked take (its "no
-                            # row" did not mean "nothing there"): a take in a transaction
-                            return None
-                        checked = True
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return []
-                    self._record_empty_receive(queue)
-                    if self._listener is not None and not registered:
-                        # Look once more after registering: a message sent meanwhile sent
-                        # no NOTIFY.
-                        self._set_waiting(queue, +1)
-                        registered = True
-                        continue
-                    self._wakeups.wait(
-                        queue, seen, poll if remaining is None else min(poll, remaining)
-                    )
-                finally:
-                    turn.release()
-        finally:
-            if registered:
-                self._set_waiting(queue, -1)
-
-    def _take_fast(
-        self, queue: str, top: int, duration: float, holder: str, record: _Record | None = None
-    ) -> list[Lease] | None:
-        """:meth:`take` with ``durable=False`` in one round trip, where the dialect can:
-        the leases, ``[]`` when nothing was there, ``None`` when it cannot. With
-        ``record``, its statement follows a take that got leases, in the same round trip
-        (:meth:`take_recorded`)."""
+        """The one-statement take and its wait (``ops.leases.take_waiting``), each look a
+        transaction of its own that commits without the WAL flush; ``None`` where the
+        dialect or the queue needs the checked take. (``take`` rides through a lost
+        connection, as every operation on the broker.)"""
         if not self._store.features.one_statement_take:
             return None
+
+        def look() -> list[Lease]:
+            now = time.time()
+            try:
+                with self._taking() as tx:
+                    return leasing_ops.take_fast(
+                        tx.session, queue, top, duration, holder, now, record
+                    )
+            except exceptions.ConnectionLost:
+                # In autocommit the take commits as it runs: lost before its reply, its
+                # leases may exist. They are this holder's, taken at this instant.
+                found = self.retrying(lambda: self._found_again(queue, holder, duration, now))
+                if not found:
+                    raise
+                return found
+
+        return leasing_ops.take_waiting(
+            self.waiting, queue, timeout, look, lambda: self.queue(queue)
+        )
+
+    def _taking(self) -> Transaction:
+        """A transaction for one look of the one-statement take: autocommit, on
+        connections whose commits do not wait for the WAL flush."""
         if self._async_engine is None:
             with self._async_engine_lock:
                 if self._async_engine is None:
@@ -330,52 +264,18 @@ class Broker(
                         isolation_level="AUTOCOMMIT",
                         connect_args={"options": "-c synchronous_commit=off"},
                     )
-        now = time.time()
-        take = {
-            "queue": queue,
-            "top": top,
-            "worker": holder,
-            "now": now,
-            "expires_at": now + duration,
-        }
-        try:
-            with connections.connect(self._async_engine) as conn:
-                if record is None:
-                    rows = self._store.rows(conn, "take_fast", **take)
-                else:
-                    record.rows = None  # unknown until this round trip's reply
-                    then = (record.query, {**record.params, "holder": holder, "taken_at": now})
-                    rows, recorded = self._store.take_then(
-                        conn, ("take_fast", take), then, durable=record.durable
-                    )
-                    if isinstance(recorded, Exception):
-                        log.warning("after a take on %s: %s", queue, recorded)
-                    else:
-                        record.rows = recorded
-        except exceptions.ConnectionLost:
-            # In autocommit the take commits as it runs: lost before its reply, its leases
-            # may exist. They are this holder's, taken at this instant: find them again
-            # (else they would expire, and count as a lost worker's).
-            rows = self.retrying(lambda: self._leases_taken(holder, now), what="take")
-            if not rows:
-                raise
-        leases = [leasing.lease_from_row(row, holder, duration, now) for row in rows]
-        if leases:  # its monitor looks again; the timer thread learns the expiry
-            counters.received(queue, len(leases))
-            self._after_commit(frozenset({queue}), now + duration)
-        return leases
+        return Transaction(self, autocommit=True, engine=self._async_engine)
 
-    def _leases_taken(self, holder: str, now: float) -> list[tuple[Any, ...]]:
-        with connections.connect(self._engine) as conn:
-            rows = self._store.rows(conn, "leases_taken", worker=holder, now=now)
-            conn.commit()  # it only read; a ROLLBACK would drop the prepared statements
-        return rows
+    def _found_again(self, queue: str, holder: str, duration: float, now: float) -> list[Lease]:
+        with self.transaction() as tx:
+            # It only reads, and commits: a ROLLBACK would drop the prepared statements.
+            return leasing_ops.found_again(tx.session, queue, holder, duration, now)
 
     def arrivals(self, queue: str) -> int:
         """A number that grows whenever messages may have arrived on ``queue`` (this
         process's wakeups). Take it before a RECEIVE; :meth:`wait_for_arrivals` counts
         from it."""
-        return self._wakeups.generation(queue)
+        return self.waiting.wakeups.generation(queue)
 
     def wait_for_arrivals(
         self, queue: str, since: int, count: int, *, window: float, timeout: float
@@ -391,18 +291,18 @@ class Broker(
 
         :return: whether it waited
         """
-        if self._listener is None or count < 1:
+        listener = self.waiting.listener
+        if listener is None or count < 1:
             return False
-        with self._waiters_lock:
-            if queue not in self._registered:
-                return False  # senders would not NOTIFY yet: the RECEIVE registers
-        if not self._listener.wait_ready(0):
+        if not self.waiting.is_registered(queue):
+            return False  # senders would not NOTIFY yet: the RECEIVE registers
+        if not listener.wait_ready(0):
             return False  # LISTEN is reconnecting: no NOTIFY would reach us meanwhile
-        self._set_waiting(queue, +1, ready_timeout=0)
+        self.waiting.set_waiting(queue, +1, ready_timeout=0)
         try:
-            self._wakeups.wait_for_arrivals(queue, since, count, window, timeout)
+            self.waiting.wakeups.wait_for_arrivals(queue, since, count, window, timeout)
         finally:
-            self._set_waiting(queue, -1)
+            self.waiting.set_waiting(queue, -1)
         return True
 
     def use_queries(self, package: str) -> None:
@@ -464,17 +364,7 @@ class Broker(
         self._timer_wakeup.set()
         if self._timer_thread is not None:
             self._timer_thread.join(timeout=5)
-        with self._waiters_lock:
-            registered, self._registered = self._registered, set()
-        for queue in registered:  # leave no count behind (senders would NOTIFY for nobody)
-            try:
-                self._register_waiter(queue, -1)
-            except Exception:
-                log.warning("could not unregister the waiters of %s", queue, exc_info=True)
-        if self._listener is not None:
-            self._listener.stop()
-        if self._watcher is not None:
-            self._watcher.stop()
+        self.waiting.close()
         if self._lease_keeper is not None:
             self._lease_keeper.stop()
         self._engine.dispose()
@@ -494,7 +384,7 @@ class Broker(
     # --- used by transactions --------------------------------------------------------
 
     def _after_commit(self, queues: frozenset[str], deadline: float | None) -> None:
-        self._wakeups.notify(queues)
+        self.waiting.wakeups.notify(queues)
         if deadline is not None and deadline < self._timer_sleeps_until:
             self._timer_wakeup.set()  # it would sleep past the new deadline
 
@@ -528,138 +418,6 @@ class Broker(
             if self._lease_keeper is None:
                 self._lease_keeper = leasing.LeaseKeeper(self)
         return self._lease_keeper.holding(leases, interval)
-
-    def _note_blocked_receiver(self, queue: str) -> tuple[float | None, float] | None:
-        """SQLite: a receiver that must queue for the write gate is waiting in RECEIVE
-        too (another transaction holds the database). Noted in memory for this process's
-        queue monitors; a database stamp would need the very lock it waits for.
-
-        :return: (the stamp before, the stamp written), for :meth:`_unnote_blocked_receiver`
-            — or ``None`` when the gate was free (nothing noted)
-        """
-        gate = self._write_gate
-        if gate is None:
-            return None
-        if gate.acquire(blocking=False):
-            gate.release()
-            return None
-        before, now = self._waiting_noted.get(queue), self.clock()
-        self._waiting_noted[queue] = now
-        return before, now
-
-    def _unnote_blocked_receiver(self, queue: str, noted: tuple[float | None, float]) -> None:
-        """The receiver got messages once through the gate: it was busy, not idle. Its note
-        would read as "a reader waits for work" and hold back activation while messages
-        pile up (on SQLite the gate is busy most of the time under load), so take it back
-        unless someone noted since."""
-        before, stamp = noted
-        if self._waiting_noted.get(queue) == stamp:
-            if before is None:
-                self._waiting_noted.pop(queue, None)
-            else:
-                self._waiting_noted[queue] = before
-
-    def last_waiting_receiver(self, queue: str) -> float | None:
-        """When a receiver of this process last waited on the queue without the database
-        knowing (see :meth:`_note_blocked_receiver`)."""
-        return self._waiting_noted.get(queue)
-
-    def _record_empty_receive(self, queue: str) -> None:
-        """Stamp the queue monitor's last empty RECEIVE, at most every
-        ``EMPTY_RECEIVE_STAMP_INTERVAL`` per queue and process."""
-        now = time.time()
-        with self._empty_stamp_lock:
-            if now - self._empty_stamped.get(queue, 0.0) < EMPTY_RECEIVE_STAMP_INTERVAL:
-                return
-            self._empty_stamped[queue] = now
-        self._waiting_noted[queue] = self.clock()
-        try:
-            with self._engine.begin() as conn:
-                self._store.execute(conn, "monitor_record_empty", queue=queue, now=self.clock())
-        except Exception as exc:  # bookkeeping for monitors must never fail a receive
-            self.availability.report(log, f"could not record an empty receive on {queue}", exc)
-
-    def _hear_other_processes(self) -> None:
-        """For a thread that waits for wakeups without registering as a receiver (the
-        transport's loader: its NOTIFYs are sent whoever waits; a queue monitor: arrivals
-        announced for another process's readers): start LISTENing on PostgreSQL, or the
-        watcher of other connections' commits on SQLite."""
-        if self._listener is not None:
-            self._listener.start()
-        else:
-            self._watch_sqlite()
-
-    def _watch_sqlite(self) -> None:
-        """Start the SQLite watcher when the first receiver waits (PostgreSQL LISTENs)."""
-        if self._listener is not None or self._watcher is not None:
-            return
-        with self._watcher_lock:
-            if self._watcher is None and self._engine.url.database:
-                self._watcher = wakeup.SqliteWatcher(self._engine.url.database, self._wakeups)
-
-    def _set_waiting(
-        self, queue: str, delta: int, ready_timeout: float = LISTEN_READY_TIMEOUT
-    ) -> bool:
-        """Register a PostgreSQL receiver as waiting (senders then NOTIFY).
-
-        The process registers once per queue, on its first waiter, and keeps the
-        registration ``WAITER_LINGER`` seconds after its last waiter left: a reader that
-        waits again and again (an executor, ``synchronization``) then costs no
-        bookkeeping transactions. A registration nobody uses costs extra NOTIFYs only.
-
-        :return: whether the process registered just now: a message sent before then
-            sent no NOTIFY, so a look made before it must be made again
-        """
-        assert self._listener is not None
-        if delta > 0:
-            self._listener.wait_ready(ready_timeout)
-        with self._waiters_lock:
-            count = self._waiters.get(queue, 0) + (1 if delta > 0 else -1)
-            self._waiters[queue] = max(count, 0)
-            if delta > 0:
-                self._waiters_idle_since.pop(queue, None)
-                if queue in self._registered:
-                    return False
-                self._registered.add(queue)
-            else:
-                if count <= 0:  # the timer thread unregisters it once the linger is over
-                    self._waiters_idle_since[queue] = time.monotonic()
-                return False
-        try:
-            self._register_waiter(queue, +1)
-        except BaseException:
-            with self._waiters_lock:  # not registered: the next waiter tries again
-                self._registered.discard(queue)
-                self._waiters[queue] = max(self._waiters.get(queue, 1) - 1, 0)
-            raise
-        return True
-
-    def _register_waiter(self, queue: str, delta: int) -> None:
-        name = "queue_add_waiter" if delta > 0 else "queue_remove_waiter"
-        with connections.connect(self._engine) as conn:
-            self._store.execute(conn, "commit_without_fsync")
-            self._store.execute(conn, name, name=queue)
-            conn.commit()
-
-    def _unregister_idle_waiters(self) -> float | None:
-        """Drop registrations whose linger is over; seconds until the next one ends."""
-        now = time.monotonic()
-        due, soonest = [], None
-        with self._waiters_lock:
-            for queue, since in list(self._waiters_idle_since.items()):
-                if now - since >= WAITER_LINGER:
-                    del self._waiters_idle_since[queue]
-                    self._registered.discard(queue)
-                    due.append(queue)
-                else:
-                    left = WAITER_LINGER - (now - since)
-                    soonest = left if soonest is None else min(soonest, left)
-        for queue in due:
-            try:
-                self._register_waiter(queue, -1)
-            except Exception:
-                log.warning("could not unregister the waiters of %s", queue, exc_info=True)
-        return soonest
 
     # --- timers ----------------------------------------------------------------------
 
@@ -704,8 +462,8 @@ class Broker(
             sleep = TIMER_POLL_INTERVAL
             if deadline is not None:
                 sleep = max(0.0, min(sleep, float(deadline) - time.time()))
-            if self._listener is not None:
-                linger = self._unregister_idle_waiters()
+            if self.waiting.announced:
+                linger = self.waiting.unregister_idle()
                 if linger is not None:
                     sleep = min(sleep, linger)
             self._timer_sleeps_until = time.time() + sleep
@@ -763,15 +521,3 @@ for _operations in (
         public = not _name.startswith("_") and inspect.isfunction(_operation)
         if public and _name not in vars(Broker):
             setattr(Broker, _name, _rides_through(_operation))
-
-
-class _Record:
-    """A named statement run right after a take that got leases, in its round trip
-    (:meth:`Broker.take_recorded`); ``rows``: what it returned, ``None`` when it did not
-    run or its outcome is unknown; ``durable``: whether its commit waits for the flush."""
-
-    def __init__(self, query: str, params: dict[str, Any], durable: bool = True) -> None:
-        self.query = query
-        self.params = params
-        self.durable = durable
-        self.rows: list[tuple[Any, ...]] | None = None

@@ -184,7 +184,7 @@ class ConversationOperations:
         looked = None
         if group_id is None:
             with self._single_statement() as tx:
-                seen = tx.broker._wakeups.generation(queue)
+                seen = tx.session.waiting.wakeups.generation(queue)
                 try:
                     found = receiving.fast(tx.session, queue, top, handle)
                 except exceptions.ConnectionLost as exc:

@@ -10,9 +10,9 @@ counted and retried or routed by the queue's poison policy (:mod:`~scheduler_lib
 
 The fronts' operations here are one line each into :mod:`scheduler_lib.broker.ops.leases`
 (the checked take, renew, complete, abandon, release, expiry). The one-statement take and
-its wait (``Broker.take`` with ``durable=False``, ``Broker.take_recorded``) are the
-broker's own: they wait in turns per queue and use a connection that commits without the
-WAL flush. The heartbeat thread, :class:`LeaseKeeper`, is here.
+its wait (``Broker.take`` with ``durable=False``, ``Broker.take_recorded``) are there too;
+the broker's front gives each of its looks a transaction of its own, on a connection that
+commits without the WAL flush. The heartbeat thread, :class:`LeaseKeeper`, is here.
 """
 
 from __future__ import annotations

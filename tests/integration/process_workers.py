@@ -180,7 +180,7 @@ def blocked_receive(url: str, queue: str, timeout: float, blocked: Any, results:
 
     def work() -> tuple[list[Received], float]:
         with Broker(url, migrate=False, timers=False) as broker:
-            wakeups = broker._wakeups  # test hook: learn when WAITFOR starts to sleep
+            wakeups = broker.waiting.wakeups  # test hook: learn when WAITFOR starts to sleep
             original_wait = wakeups.wait
 
             def wait(queue_name: str, seen: int, wait_timeout: float) -> bool:

@@ -387,7 +387,7 @@ def test_backlog_on_one_conversation_never_runs_more_than_two_readers(
                 stamps = (
                     monitor_row(clocked)["last_empty_rowset_at"],
                     # SQLite: receivers queued for the write lock, noted in memory
-                    clocked.last_waiting_receiver(WORK),
+                    clocked.waiting.last_waiting_receiver(WORK),
                 )
                 return max((t for t in stamps if t is not None), default=0) >= clock.now
 

@@ -167,7 +167,7 @@ def test_a_connection_lost_at_the_idle_commit_of_a_waiting_synchronization(
         queue = scheduler.names.initiator_queue
         deadline = time.monotonic() + 10
         while not killed.is_set() and time.monotonic() < deadline:
-            broker._wakeups.notify({queue})
+            broker.waiting.wakeups.notify({queue})
             killed.wait(0.01)
         assert killed.is_set(), "the idle transaction's end was never reached"
         # And the task runs afterwards

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 
 from scheduler_lib.broker import counters, exceptions
-from scheduler_lib.broker.db import connections, store, wakeup
+from scheduler_lib.broker.db import connections, store, waiting, wakeup
 from scheduler_lib.broker.db.store import Row
 from scheduler_lib.broker.models import QueueInfo, Validation
 
@@ -37,33 +37,19 @@ class Owner(Protocol):
     _autocommit_engine: sa.Engine | None
     _write_gate: threading.RLock | None
     _write_gate_timeout: float
-    _wakeups: wakeup.Wakeups
-    _waited_queues: dict[str, tuple[float, QueueInfo]]
+    waiting: waiting.Waiting  # this process's waiting readers (WAITFOR)
 
     def _after_commit(self, queues: frozenset[str], deadline: float | None) -> None: ...
 
     def _count_rollbacks(self, queues: frozenset[str]) -> None: ...
 
-    # What the operations over a session (``ops/``) use of their broker's process state:
-    # SEND's cache of message types' validations, and the waiting of WAITFOR(RECEIVE).
+    # What the operations over a session (``ops/``) use of their broker's process state
+    # besides its waiting readers: SEND's cache of message types' validations.
     _validation_cache: dict[str, Validation]
     max_message_size: int
 
     @property
     def url(self) -> sa.URL: ...
-
-    _last_group_received: dict[str, str]
-    _listener: wakeup.PostgresListener | None
-
-    def _note_blocked_receiver(self, queue: str) -> tuple[float | None, float] | None: ...
-
-    def _unnote_blocked_receiver(self, queue: str, noted: tuple[float | None, float]) -> None: ...
-
-    def _record_empty_receive(self, queue: str) -> None: ...
-
-    def _watch_sqlite(self) -> None: ...
-
-    def _set_waiting(self, queue: str, delta: int, ready_timeout: float = ...) -> bool: ...
 
 
 class Session:
@@ -71,8 +57,8 @@ class Session:
 
     :param broker: the broker whose engine, store, wakeups and counters it uses
     :param autocommit: single-statement operations: each statement commits as it runs
-    :param engine: another engine's connections (``Broker.snapshot``), without the
-        SQLite write gate
+    :param engine: another engine's connections (``Broker.snapshot``'s; the take's,
+        whose commits do not wait for the WAL flush), without the SQLite write gate
     """
 
     def __init__(
@@ -80,6 +66,7 @@ class Session:
     ) -> None:
         self.broker = broker
         self.store = broker._store
+        self.waiting = broker.waiting  # this process's waiting readers (WAITFOR)
         self.autocommit = autocommit  # only for single-statement operations
         # The transport's batches share their queue lookups here (None: not cached).
         self.queue_cache: dict[str, QueueInfo] | None = None
@@ -147,12 +134,25 @@ class Session:
         self._wrote = True
         return rows
 
+    def take_then(
+        self,
+        take: tuple[str, Mapping[str, Any]],
+        then: tuple[str, Mapping[str, Any]],
+        *,
+        durable: bool = True,
+    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]] | Exception]:
+        """A take that commits as it runs (this session is in autocommit) and a statement
+        in a transaction of its own after it, in one round trip (:meth:`Store.take_then`)."""
+        return self.store.take_then(self.connection(), take, then, durable=durable)
+
     def connection(self) -> sa.Connection:
         """The connection, taken at the first call (on SQLite after this process's write
         gate)."""
         self.check_open()
         if self._connection is None:
-            engine = self.broker._autocommit_engine if self.autocommit else self._engine
+            engine = self._engine
+            if engine is None and self.autocommit:
+                engine = self.broker._autocommit_engine
             self._connection = connections.connect(engine or self.broker._engine)
         if self._engine is None:
             self._enter_gate()
@@ -296,7 +296,7 @@ class Session:
             woken.add(wakeup.TRANSMISSION)
         if self._catalog_changed:
             woken.add(wakeup.CATALOG)
-            self.broker._waited_queues.clear()  # RECEIVEs here see the change at once
+            self.waiting.waited_queues.clear()  # RECEIVEs here see the change at once
         self.broker._after_commit(frozenset(woken), self._next_deadline)
 
     def rollback(self) -> None:
@@ -324,7 +324,7 @@ class Session:
         # built-in poison message detection counts the rollback.
         if self._receipts and not self._lost:
             self.broker._count_rollbacks(frozenset(self._receipts))
-        self.broker._wakeups.notify(self._received_queues)
+        self.waiting.wakeups.notify(self._received_queues)
 
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:

@@ -1,23 +1,29 @@
 """Leases, as plain functions over a session: a message taken for long work waits under
 its worker's heartbeat instead of in an open transaction (seed 004's recovery for workers
-that die). The take here is the checked one, inside the session's transaction; the
-one-statement take that commits on its own and its wait are the broker's
-(``Broker.take(durable=False)``, ``Broker.take_recorded``); the heartbeat thread is
+that die). Two takes: the checked one, inside the session's transaction (:func:`take`),
+and the one-statement take of PostgreSQL (:func:`take_fast`), each look a transaction of
+its own on a connection whose commits do not wait for the WAL flush, with its wait
+(:func:`take_waiting`: RECEIVE's wait, in turns per queue) — ``Broker.take(durable=False)``
+and ``Broker.take_recorded``. The heartbeat thread is
 :class:`~scheduler_lib.broker.leases.LeaseKeeper`. The fronts' ``LeaseOperations``
 documents each operation."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import counters, exceptions
 from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.models import MESSAGE_COLUMNS, ConversationEndpoint, Message
+from scheduler_lib.broker.db.waiting import Waiting
+from scheduler_lib.broker.models import MESSAGE_COLUMNS, ConversationEndpoint, Message, QueueInfo
 from scheduler_lib.broker.ops import poison, receiving
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LEASE = 60.0  # seconds a taken message is held without a heartbeat
 
@@ -33,6 +39,24 @@ class Lease:
     duration: float
     expires_at: float
     taken_at: float | None = None  # when its take committed (the one-statement take)
+
+
+class Record:
+    """A named statement run right after a one-statement take that got leases, in its
+    round trip (``Broker.take_recorded``); ``rows``: what it returned, ``None`` when it
+    did not run or its outcome is unknown; ``durable``: whether its commit waits for the
+    WAL flush."""
+
+    def __init__(self, query: str, params: dict[str, Any], durable: bool = True) -> None:
+        self.query = query
+        self.params = params
+        self.durable = durable
+        self.rows: list[tuple[Any, ...]] | None = None
+
+
+class NeedsCheckedTake(Exception):
+    """The queue keeps what it delivers (retention) or ages its receives: the
+    one-statement take leaves it to the checked take, in a transaction."""
 
 
 def take(
@@ -157,3 +181,99 @@ def expire_leases(session: Session, now: float, recovered_at: float = 0.0, limit
         )
         expired += 1
     return expired
+
+
+# --- the one-statement take (PostgreSQL) -------------------------------------------------
+
+
+def take_fast(
+    session: Session,
+    queue: str,
+    top: int,
+    duration: float,
+    holder: str,
+    now: float,
+    record: Record | None = None,
+) -> list[Lease]:
+    """One look of the one-statement take, on an autocommit session whose commits do not
+    wait for the WAL flush: the first ``top`` messages of the first group nobody holds,
+    under leases of ``holder`` taken at ``now`` (``[]`` when nothing was there). With
+    ``record``, its statement follows a take that got leases, in the same round trip.
+
+    A reply lost on the way back may hide leases that exist: :func:`found_again` finds
+    them by ``holder`` and ``now``."""
+    take = {"queue": queue, "top": top, "worker": holder, "now": now, "expires_at": now + duration}
+    if record is None:
+        rows = session.rows("take_fast", **take)
+    else:
+        record.rows = None  # unknown until this round trip's reply
+        then = (record.query, {**record.params, "holder": holder, "taken_at": now})
+        rows, recorded = session.take_then(("take_fast", take), then, durable=record.durable)
+        if isinstance(recorded, Exception):
+            log.warning("after a take on %s: %s", queue, recorded)
+        else:
+            record.rows = recorded
+    return _taken(session, queue, rows, holder, duration, now)
+
+
+def found_again(
+    session: Session, queue: str, holder: str, duration: float, now: float
+) -> list[Lease]:
+    """The leases a :func:`take_fast` of ``holder`` at ``now`` made, when its reply was
+    lost (else they would expire, and count as a lost worker's)."""
+    rows = session.rows("leases_taken", worker=holder, now=now)
+    return _taken(session, queue, rows, holder, duration, now)
+
+
+def _taken(
+    session: Session,
+    queue: str,
+    rows: Sequence[Sequence[Any]],
+    holder: str,
+    duration: float,
+    now: float,
+) -> list[Lease]:
+    leases = [lease_from_row(row, holder, duration, now) for row in rows]
+    if leases:  # its monitor looks again; the timer thread learns the expiry
+        session.tally(counters.RECEIVED, queue, n=len(leases))
+        session.received_from(queue)
+        session.deadline(now + duration)
+    return leases
+
+
+def take_waiting(
+    waiting: Waiting,
+    queue: str,
+    timeout: float | None,
+    look: Callable[[], list[Lease]],
+    settings: Callable[[], QueueInfo],
+) -> list[Lease] | None:
+    """:func:`take_fast` with WAITFOR: ``look`` (one take, a transaction of its own) until
+    it gets leases or ``timeout`` passes, in RECEIVE's wait, in turns with this process's
+    other takers of ``queue``. ``None`` when the queue needs the checked take (its
+    ``settings`` say: retention, receive aging); an unknown or disabled queue raises as
+    RECEIVE does."""
+    checked = False
+
+    def attempt() -> list[Lease]:
+        nonlocal checked
+        leases = look()
+        if leases or checked:
+            return leases
+        info = settings()  # unknown or off: say so, as RECEIVE does
+        if not info.is_receive_enabled:
+            raise info.disabled_error()
+        if info.is_retention_enabled or info.receive_aging_seconds is not None:
+            # take_fast leaves these queues to the checked take (its "no row" did not
+            # mean "nothing there")
+            raise NeedsCheckedTake(queue)
+        checked = True
+        return leases
+
+    nothing: list[Lease] = []
+    try:
+        return receiving.wait_for(
+            None, queue, timeout, attempt, nothing, waiting=waiting, in_turns=True
+        )
+    except NeedsCheckedTake:
+        return None

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from scheduler_lib.broker import counters
-from scheduler_lib.broker.db import wakeup
 from scheduler_lib.broker.db.session import Session
 from scheduler_lib.broker.db.store import Row
+from scheduler_lib.broker.db.waiting import Waiting
 from scheduler_lib.broker.models import MESSAGE_COLUMNS, Message, QueueInfo
 from scheduler_lib.broker.ops import endpoints
 
@@ -38,7 +38,7 @@ def receive(
         its own, and found nothing: the wakeup generation it read before that look
     """
     if looked is None and group_id is None and session.store.features.one_statement_receive:
-        seen = session.broker._wakeups.generation(queue)
+        seen = session.waiting.wakeups.generation(queue)
         found = fast(session, queue, top, handle)
         if found:
             session.received_from(queue)
@@ -75,7 +75,7 @@ def look(
     # (a queue turned off elsewhere is noticed that soon, here at once: catalog
     # changes clear the cache), so an empty look costs one statement, not two.
     now = time.monotonic()
-    waited = session.broker._waited_queues
+    waited = session.waiting.waited_queues
     cached = waited.get(queue)
     if cached is None or now - cached[0] > QUEUE_RECHECK:
         cached = waited[queue] = (now, endpoints.queue(session, queue))
@@ -168,70 +168,107 @@ def group_once(session: Session, queue: str) -> uuid.UUID | None:
 
 
 def wait_for(
-    session: Session,
+    session: Session | None,
     queue: str,
     timeout: float | None,
     attempt: Callable[[], T],
     empty: T,
     *,
+    waiting: Waiting | None = None,
     unfiltered: bool = True,
     looked: tuple[int, Callable[[], T]] | None = None,
+    in_turns: bool = False,
 ) -> T:
-    """Run ``attempt`` until it finds something or ``timeout`` passes (WAITFOR).
+    """Run ``attempt`` until it finds something or ``timeout`` passes (WAITFOR): the one
+    wait of RECEIVE, GET CONVERSATION GROUP and the take.
 
+    :param session: the transaction the looks run in (RECEIVE), or ``None`` when each
+        look is a transaction of its own (the one-statement take; give ``waiting``)
     :param looked: the caller has just looked (one statement) and found nothing: the
         wakeup generation it read before that look, and the rest of a first attempt
         after it — so an empty RECEIVE costs one look, not two
+    :param in_turns: the threads of this process that wait on ``queue`` this way do it
+        in turns: the one whose turn it is looks and waits for wakeups, the others look
+        once per poll interval and wait for the turn. A message that arrives then wakes
+        one of them, not every idle one (a herd whose looks all but one find nothing,
+        and slow the one that matters); one that got something hands the turn on at
+        once, so a backlog still goes to all of them.
     """
-    broker = session.broker
+    state = session.waiting if session is not None else waiting
+    assert state is not None, "a wait without a session needs the process's waiting"
     deadline = None if timeout is None else time.monotonic() + timeout
+    poll = state.poll_interval
+    turn = state.turn(queue) if in_turns else None
     waiter_registered = False
     try:
         while True:
-            noted = None
-            if looked is not None:
-                (seen, rest), looked = looked, None
-                found = rest()
-            else:
-                seen = broker._wakeups.generation(queue)
-                if unfiltered and not session.in_gate:
-                    noted = broker._note_blocked_receiver(queue)
+            if turn is not None and not turn.acquire(blocking=False):
+                # Another thread waits for wakeups; look anyway, once per poll interval (a
+                # message can become available with no wakeup here: a group another
+                # process held, a NOTIFY lost while LISTEN reconnects), then wait for the
+                # turn.
                 found = attempt()
-            if found:
-                group = _group_of(found)
-                # SQLite: a receiver that queued for the write lock and then got the
-                # group the previous holder just let go of was waiting for that group
-                # (PostgreSQL's second reader would have found it locked, and empty):
-                # its note stands. One that got another group was a busy reader.
-                if noted is not None and broker._last_group_received.get(queue) != group:
-                    broker._unnote_blocked_receiver(queue, noted)
-                if group is not None:
-                    broker._last_group_received[queue] = group
-                session.received_from(queue)
-                return found
-            session.release_while_idle()
-            if unfiltered and not session.wrote:
-                # Queue monitors read this as "a reader is here, waiting for work".
-                broker._record_empty_receive(queue)
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return empty
-            broker._watch_sqlite()
-            if broker._listener is not None and not waiter_registered:
-                waiter_registered = True
-                if broker._set_waiting(queue, +1):
-                    # Senders NOTIFY only while somebody is registered: look once more
-                    # after registering, so a message sent meanwhile is not missed.
+                if found:
+                    return _got(session, queue, found, None)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return empty
+                if not turn.acquire(timeout=poll if remaining is None else min(poll, remaining)):
                     continue
-            poll = (
-                wakeup.POSTGRESQL_POLL_INTERVAL
-                if broker._listener is not None
-                else wakeup.SQLITE_POLL_INTERVAL
-            )
-            broker._wakeups.wait(queue, seen, poll if remaining is None else min(poll, remaining))
+            try:
+                noted = None
+                if looked is not None:
+                    (seen, rest), looked = looked, None
+                    found = rest()
+                else:
+                    seen = state.wakeups.generation(queue)
+                    if session is not None and unfiltered and not session.in_gate:
+                        noted = state.note_blocked_receiver(queue)
+                    found = attempt()
+                if found:
+                    return _got(session, queue, found, noted)
+                if session is not None:
+                    session.release_while_idle()
+                if unfiltered and (session is None or not session.wrote):
+                    # Queue monitors read this as "a reader is here, waiting for work".
+                    state.record_empty_receive(queue)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return empty
+                state.watch_sqlite()
+                if state.announced and not waiter_registered:
+                    waiter_registered = True
+                    if state.set_waiting(queue, +1):
+                        # Senders NOTIFY only while somebody is registered: look once more
+                        # after registering, so a message sent meanwhile is not missed.
+                        continue
+                state.wakeups.wait(queue, seen, poll if remaining is None else min(poll, remaining))
+            finally:
+                if turn is not None:
+                    turn.release()
     finally:
         if waiter_registered:
-            broker._set_waiting(queue, -1)
+            state.set_waiting(queue, -1)
+
+
+def _got(
+    session: Session | None, queue: str, found: T, noted: tuple[float | None, float] | None
+) -> T:
+    """What a wait that found something leaves for the queue's monitors."""
+    if session is None:
+        return found  # a look that is a transaction of its own said so itself
+    group = _group_of(found)
+    waiting = session.waiting
+    # SQLite: a receiver that queued for the write lock and then got the group the
+    # previous holder just let go of was waiting for that group (PostgreSQL's second
+    # reader would have found it locked, and empty): its note stands. One that got
+    # another group was a busy reader.
+    if noted is not None and waiting.last_group_received.get(queue) != group:
+        waiting.unnote_blocked_receiver(queue, noted)
+    if group is not None:
+        waiting.last_group_received[queue] = group
+    session.received_from(queue)
+    return found
 
 
 def _arrival_order(firsts: list[Row]) -> list[str]:

@@ -329,7 +329,7 @@ class TransportEndpoint:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        self._broker._wakeups.notify({wakeup.TRANSMISSION})
+        self._broker.waiting.wakeups.notify({wakeup.TRANSMISSION})
         if self._loop is not None and self._stop_async is not None:
             self._loop.call_soon_threadsafe(self._stop_async.set)
         if self._thread is not None:
@@ -418,10 +418,10 @@ class TransportEndpoint:
 
     def _load_loop(self) -> None:
         broker = self._broker
-        broker._hear_other_processes()  # their sends wake the loader too
+        broker.waiting.hear_other_processes()  # their sends wake the loader too
         cursor, last_rescan = 0, 0.0
         while not self._stopping.is_set():
-            seen = broker._wakeups.generation(wakeup.TRANSMISSION)
+            seen = broker.waiting.wakeups.generation(wakeup.TRANSMISSION)
             try:
                 self._follow_routes()
                 read, cursor, last_rescan = self._load_once(cursor, last_rescan)
@@ -430,7 +430,7 @@ class TransportEndpoint:
                 read = 0
             if read >= LOAD_BATCH:
                 continue  # more are waiting past the cursor
-            broker._wakeups.wait(wakeup.TRANSMISSION, seen, LOAD_POLL_INTERVAL)
+            broker.waiting.wakeups.wait(wakeup.TRANSMISSION, seen, LOAD_POLL_INTERVAL)
 
     def _load_once(self, cursor: int, last_rescan: float) -> tuple[int, int, float]:
         """Read what is new past the cursor (and, every ``RESCAN_INTERVAL``, what is
@@ -1466,7 +1466,7 @@ class TransportEndpoint:
                 await loop.run_in_executor(self._writes, delivery.acknowledged, self._broker, acked)
                 with self._known_lock:
                     self._known.difference_update(message_id for message_id, _, _ in acked)
-                self._broker._wakeups.notify({wakeup.TRANSMISSION})  # room in the window
+                self._broker.waiting.wakeups.notify({wakeup.TRANSMISSION})  # room in the window
                 acked = []
             if dirty:
                 await loop.run_in_executor(self._writes, delivery.set_statuses, self._broker, dirty)
