@@ -12,7 +12,7 @@ import warnings
 from typing import Any
 
 from scheduler_lib.broker import poison
-from scheduler_lib.broker.broker import Broker
+from scheduler_lib.broker.broker import Broker, Transaction
 from scheduler_lib.broker.exceptions import (
     AlreadyExists,
     BrokerError,
@@ -55,7 +55,6 @@ from scheduler_lib.broker.models import (
     Validation,
 )
 from scheduler_lib.broker.routes import LOCAL, Route
-from scheduler_lib.broker.transaction import Transaction
 
 __all__ = [
     "ANY",

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from scheduler_lib.broker.db.session import InTransaction
 from scheduler_lib.broker.models import ANY, ConversationPriority, QueueInfo, SentBy, Validation
 from scheduler_lib.broker.ops import catalog
 from scheduler_lib.broker.ops.catalog import DEFAULT_PRIORITY_LEVEL, UNSET
-
-if TYPE_CHECKING:
-    from scheduler_lib.broker.transaction import Transaction
 
 
 class CatalogOperations:
     """CREATE / ALTER / DROP of the broker's catalog objects."""
 
-    def _operation(self) -> contextlib.AbstractContextManager[Transaction]:
+    def _operation(self) -> contextlib.AbstractContextManager[InTransaction]:
         raise NotImplementedError
 
     def create_message_type(

@@ -11,30 +11,28 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.db.session import InTransaction
 from scheduler_lib.broker.models import (
     DEFAULT,
     SYSTEM_MESSAGE_TYPES,
     ConversationEndpoint,
     Message,
 )
-from scheduler_lib.broker.ops import conversations, receiving, sending
-
-if TYPE_CHECKING:
-    from scheduler_lib.broker.leases import Lease
-    from scheduler_lib.broker.transaction import Transaction
+from scheduler_lib.broker.ops import conversations, leases, receiving, sending
+from scheduler_lib.broker.ops.leases import Lease
 
 
 class ConversationOperations:
     """Conversations between services, with Service Broker's guarantees."""
 
-    def _operation(self) -> contextlib.AbstractContextManager[Transaction]:
+    def _operation(self) -> contextlib.AbstractContextManager[InTransaction]:
         raise NotImplementedError
 
-    def _single_statement(self) -> contextlib.AbstractContextManager[Transaction]:
+    def _single_statement(self) -> contextlib.AbstractContextManager[InTransaction]:
         """Where one statement does the whole operation (the fast paths): the caller's
         transaction, or on the broker an autocommit one that saves BEGIN and COMMIT."""
         return self._operation()
@@ -111,18 +109,20 @@ class ConversationOperations:
         if completing is not None or before is not None:
             # A transaction: a lost lease must undo the SEND, and the row goes with it
             with self._operation() as tx:
-                data = checks.body_bytes(body, tx.broker.max_message_size)
+                session = tx.session
+                data = checks.body_bytes(body, session.broker.max_message_size)
                 lease_id = None if completing is None else completing.lease_id
-                seq, ran = sending.fast(tx.session, handle, message_type, data, lease_id, before)
+                seq, ran = sending.fast(session, handle, message_type, data, lease_id, before)
                 if before is not None and not ran:
-                    tx.run(before[0], **before[1])
+                    session.mark_written()
+                    session.count(before[0], **before[1])
                 if seq is not None:
                     return seq
                 if completing is not None:
-                    tx.complete(completing)
-                return sending.checked(tx.session, handle, message_type, data)
+                    leases.complete(session, completing)
+                return sending.checked(session, handle, message_type, data)
         with self._single_statement() as tx:
-            data = checks.body_bytes(body, tx.broker.max_message_size)
+            data = checks.body_bytes(body, tx.session.broker.max_message_size)
             seq, _ = sending.fast(tx.session, handle, message_type, data)
             if seq is not None:
                 return seq

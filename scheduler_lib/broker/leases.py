@@ -22,17 +22,15 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
+from scheduler_lib.broker.db import connections
+from scheduler_lib.broker.db.session import InTransaction
 from scheduler_lib.broker.ops import leases
 from scheduler_lib.broker.ops.leases import DEFAULT_LEASE, Lease, expire_leases, lease_from_row
 from scheduler_lib.broker.ops.poison import worker_name
-
-if TYPE_CHECKING:
-    from scheduler_lib.broker.broker import Broker
-    from scheduler_lib.broker.transaction import Transaction
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +48,7 @@ class LeaseOperations:
     """Taking messages under leases, and ending them; on the broker (each in a
     transaction of its own) and inside a transaction."""
 
-    def _operation(self) -> contextlib.AbstractContextManager[Transaction]:
+    def _operation(self) -> contextlib.AbstractContextManager[InTransaction]:
         raise NotImplementedError  # Broker and Transaction provide it
 
     def _take_alone(
@@ -156,13 +154,22 @@ class LeaseOperations:
 RENEW_RETRY = 1.0  # seconds before a renewal that failed is tried again
 
 
+class Renewing(Protocol):
+    """What the heartbeat thread needs of its broker (a ``Broker``): declared here, so
+    that this module, which the broker imports, names no front of its own."""
+
+    availability: connections.Availability
+
+    def renew(self, lease: Lease) -> float: ...
+
+
 class LeaseKeeper:
     """One thread per broker that renews the leases its workers hold (their heartbeat):
     each at a third of its duration, or at the interval a holder asked for. Workers
     register leases for the duration of a ``with`` block; a lease found lost is reported
     to its holder and no longer renewed."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Renewing) -> None:
         self.broker = broker
         self._held: dict[str, tuple[Lease, float, dict[str, exceptions.LeaseLost]]] = {}
         self._due: dict[str, float] = {}  # lease id -> monotonic time of its next renewal

@@ -25,15 +25,14 @@ between the rollback and the record does not record at all.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
-import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from scheduler_lib.broker import exceptions
+from scheduler_lib.broker.failures import PoisonOperations
 from scheduler_lib.broker.models import Message
 from scheduler_lib.broker.ops import poison as poisoning
 from scheduler_lib.broker.ops.poison import (
@@ -56,8 +55,7 @@ from scheduler_lib.broker.ops.poison import (
 )
 
 if TYPE_CHECKING:
-    from scheduler_lib.broker.broker import Broker
-    from scheduler_lib.broker.transaction import Transaction
+    from scheduler_lib.broker.broker import Broker, Transaction
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -98,105 +96,6 @@ class Outcome:
     status: str
     error: str | None = None
     dispositions: tuple[str, ...] = ()
-
-
-class PoisonOperations:
-    """Poison policies, the poison-message log and failure records: each one line into
-    :mod:`scheduler_lib.broker.ops.poison`."""
-
-    def _operation(self) -> contextlib.AbstractContextManager[Transaction]:
-        raise NotImplementedError
-
-    def set_poison_policy(self, queue: str, policy: PoisonPolicy | None) -> None:
-        """Store the queue's poison policy (``None``: back to the default); every process
-        that handles the queue's failures reads it.
-
-        :raises QueueNotFound: for an unknown queue
-        :raises InvalidArgument: for a Notify callback that is not a dotted path
-        """
-        with self._operation() as tx:
-            poisoning.set_poison_policy(tx.session, queue, policy)
-
-    def poison_policy(self, queue: str) -> PoisonPolicy:
-        """The queue's poison policy (the default when none is stored).
-
-        :raises QueueNotFound: for an unknown queue
-        """
-        with self._operation() as tx:
-            return poisoning.poison_policy(tx.session, queue)
-
-    def record_failure(
-        self,
-        message: Message,
-        error: BaseException | str | None = None,
-        *,
-        worker: str | None = None,
-    ) -> History:
-        """Record that handling ``message`` failed. Call it *after* the failed transaction
-        rolled back (the record must outlive it), as the seed does.
-
-        :return: the message's history including this failure
-        """
-        with self._operation() as tx:
-            return poisoning.record_failure(tx.session, message, error, worker=worker)
-
-    def failure_history(self, message: Message) -> History:
-        """How often ``message`` failed since it last came back from the holding queue."""
-        with self._operation() as tx:
-            return poisoning.failure_history(tx.session, message)
-
-    def forget_failures(self, message: Message) -> int:
-        """Delete ``message``'s failure records (a hand-written loop calls it once the
-        message was handled; the detector does it itself).
-
-        :return: how many records were deleted
-        """
-        with self._operation() as tx:
-            return poisoning.forget_failures(tx.session, message)
-
-    def poison_incidents(
-        self, conversation_handle: uuid.UUID | str, message_sequence_number: int
-    ) -> list[Mapping[str, Any]]:
-        """Every failure and parking recorded for one message, oldest first."""
-        with self._operation() as tx:
-            return poisoning.poison_incidents(
-                tx.session, conversation_handle, message_sequence_number
-            )
-
-    def poison_messages(
-        self, queue: str | None = None, state: str | None = None
-    ) -> list[PoisonMessage]:
-        """Poison messages LOGGED for an operator or PARKED in the holding queue."""
-        with self._operation() as tx:
-            return poisoning.poison_messages(tx.session, queue, state)
-
-    def poison_message(self, poison_id: int) -> PoisonMessage:
-        """One poison message.
-
-        :raises NotFound: for an unknown id
-        """
-        with self._operation() as tx:
-            return poisoning.poison_message(tx.session, poison_id)
-
-    def replay_poison_messages(self, poison_ids: Iterable[int]) -> int:
-        """Put exactly these poison messages back on their queues, on their conversations,
-        with their sequence numbers, and forget their failures. All or none.
-
-        :return: how many were re-queued
-        :raises NotFound: for an unknown id
-        :raises ConversationNotFound: when a message's conversation has ended
-        """
-        with self._operation() as tx:
-            return poisoning.replay_poison_messages(tx.session, poison_ids)
-
-    def drop_poison_messages(self, poison_ids: Iterable[int]) -> int:
-        """Delete exactly these poison messages for good, with their failure records.
-        All or none.
-
-        :raises NotFound: for an unknown id
-        """
-        with self._operation() as tx:
-            return poisoning.drop_poison_messages(tx.session, poison_ids)
 
 
 # --- the seed's detector ---------------------------------------------------------------

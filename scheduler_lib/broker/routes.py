@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
+from scheduler_lib.broker.db.session import InTransaction
 from scheduler_lib.broker.ops import routes
 from scheduler_lib.broker.ops.routes import LOCAL, Route
-
-if TYPE_CHECKING:
-    from scheduler_lib.broker.transaction import Transaction
 
 __all__ = ["LOCAL", "Route", "RouteOperations"]
 
@@ -18,7 +15,7 @@ __all__ = ["LOCAL", "Route", "RouteOperations"]
 class RouteOperations:
     """CREATE / ALTER / DROP ROUTE and the broker's own instance id."""
 
-    def _operation(self) -> contextlib.AbstractContextManager[Transaction]:
+    def _operation(self) -> contextlib.AbstractContextManager[InTransaction]:
         raise NotImplementedError
 
     def create_route(

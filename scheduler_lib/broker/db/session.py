@@ -52,6 +52,15 @@ class Owner(Protocol):
     def url(self) -> sa.URL: ...
 
 
+class InTransaction(Protocol):
+    """What the fronts' operation mixins run in: a public transaction (a ``Transaction``),
+    of which they use the session only. Declared here, so that the mixins name no front
+    (the fronts import them: a type-only import back would make a cycle)."""
+
+    @property
+    def session(self) -> Session: ...
+
+
 class Session:
     """One database transaction of a broker, from its first statement to its end.
 

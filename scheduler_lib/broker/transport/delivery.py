@@ -30,8 +30,7 @@ from scheduler_lib.broker.models import (
 from scheduler_lib.broker.ops import endpoints, sending
 
 if TYPE_CHECKING:
-    from scheduler_lib.broker.broker import Broker
-    from scheduler_lib.broker.transaction import Transaction
+    from scheduler_lib.broker.broker import Broker, Transaction
 
 log = logging.getLogger(__name__)
 

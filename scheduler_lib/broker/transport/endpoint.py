@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import math
 import secrets
@@ -42,7 +41,7 @@ from scheduler_lib.broker import counters, exceptions
 from scheduler_lib.broker.db import wakeup
 from scheduler_lib.broker.ops import routes
 from scheduler_lib.broker.transport import delivery, frames, reports
-from scheduler_lib.broker.transport.links import Link, Outgoing
+from scheduler_lib.broker.transport.links import Connection, ConnectionInfo, Link, Outgoing
 
 if TYPE_CHECKING:
     from scheduler_lib.broker.broker import Broker
@@ -84,87 +83,6 @@ MAX_CONNECTIONS = 64  # inbound connections at once (in their handshake or serve
 MAX_HANDSHAKES = 16  # inbound connections still in their handshake at once
 EVENTS_RETENTION = 7 * 24 * 3600.0  # seconds transport_events rows are kept
 EVENTS_MAX = 100_000  # transport_events rows kept at most (the newest)
-
-
-@dataclasses.dataclass(frozen=True)
-class ConnectionInfo:
-    """One connection, as ``sys.dm_broker_connections`` shows it."""
-
-    direction: str  # "outbound" (we dialled) or "inbound"
-    peer: str  # the remote socket address
-    peer_address: str | None  # where the peer listens (dialled, or as it said)
-    peer_broker: str
-    opened_at: float
-    last_activity_at: float
-    frames_sent: int
-    frames_received: int
-    bytes_sent: int
-    bytes_received: int
-    corrupted_frames: int
-    carries_messages: bool  # the link to its address sends on it
-
-
-class Connection:
-    """One TCP connection after the handshake."""
-
-    def __init__(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        *,
-        direction: str,
-        peer_broker: str,
-        peer_address: str | None,
-        send_key: bytes,
-        receive_key: bytes,
-    ) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.direction = direction
-        self.peer_broker = peer_broker
-        self.peer_address = peer_address
-        self.send_key = send_key  # one key per direction: a frame cannot be reflected
-        self.receive_key = receive_key
-        self.sent_number = 0  # the CONFIRM's (the dialler's) or none yet (the acceptor's)
-        self.received = frames.ReplayGuard()  # a frame replayed into the connection
-        peername = writer.get_extra_info("peername")
-        self.peer = f"{peername[0]}:{peername[1]}" if peername else "?"
-        self.opened_at = self.last_activity = self.last_received = time.time()
-        self.frames_sent = self.frames_received = 0
-        self.bytes_sent = self.bytes_received = 0
-        self.corrupted = 0
-        self.last_acked = 0.0  # when the peer last acknowledged one of our fragments here
-        self.ping_sent_at: float | None = None  # a PING waits for any frame back
-        self.ping_due = False  # a PING goes with the next frame
-        self.pong_due = False  # the peer PINGed: any frame answers
-        self.acks: list[list[Any]] = []
-        self.rejects: list[list[Any]] = []
-        self.link: Link | None = None
-        self.wake = asyncio.Event()
-        self.closed = False
-        self.tasks: list[asyncio.Task[None]] = []
-
-    def seal(self, kind: frames.Kind, header: dict[str, Any], body: bytes | None) -> bytes:
-        """The next frame of this direction: numbered, signed with its session key."""
-        self.sent_number += 1
-        header[frames.NUMBER] = self.sent_number
-        return frames.encode(kind, header, body, self.send_key)
-
-    def info(self) -> ConnectionInfo:
-        return ConnectionInfo(
-            direction=self.direction,
-            peer=self.peer,
-            peer_address=self.peer_address,
-            peer_broker=self.peer_broker,
-            opened_at=self.opened_at,
-            last_activity_at=self.last_activity,
-            frames_sent=self.frames_sent,
-            frames_received=self.frames_received,
-            bytes_sent=self.bytes_sent,
-            bytes_received=self.bytes_received,
-            corrupted_frames=self.corrupted,
-            carries_messages=self.link is not None and self.link.connection is self,
-        )
 
 
 class TransportEndpoint:

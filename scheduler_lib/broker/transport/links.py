@@ -1,11 +1,14 @@
-"""What the endpoint keeps in memory per message in flight and per peer address.
+"""What the endpoint keeps in memory per message in flight, per peer address and per
+connection.
 
 A :class:`Link` is the way to one peer address: the schedule of fragments waiting to go
 there and the connection that carries them. Its schedule interleaves: a message puts one
 fragment at a time in line, and its next fragment only after that one was written, so a
 small message is never stuck behind all of a large one's fragments. With
 ``honor_broker_priority`` higher levels go first, except that a fragment that has waited
-``starvation_after`` seconds goes next whatever its level.
+``starvation_after`` seconds goes next whatever its level. A :class:`Connection` is one
+TCP connection after the handshake (here, beside the link it may carry: each names the
+other).
 """
 
 from __future__ import annotations
@@ -14,12 +17,11 @@ import asyncio
 import dataclasses
 import heapq
 import itertools
-from typing import TYPE_CHECKING, Any
+import time
+from typing import Any
 
 from scheduler_lib.broker import counters
-
-if TYPE_CHECKING:
-    from scheduler_lib.broker.transport.endpoint import Connection
+from scheduler_lib.broker.transport import frames
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,3 +148,84 @@ class Link:
 
     def has_work(self) -> bool:
         return bool(self.messages)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionInfo:
+    """One connection, as ``sys.dm_broker_connections`` shows it."""
+
+    direction: str  # "outbound" (we dialled) or "inbound"
+    peer: str  # the remote socket address
+    peer_address: str | None  # where the peer listens (dialled, or as it said)
+    peer_broker: str
+    opened_at: float
+    last_activity_at: float
+    frames_sent: int
+    frames_received: int
+    bytes_sent: int
+    bytes_received: int
+    corrupted_frames: int
+    carries_messages: bool  # the link to its address sends on it
+
+
+class Connection:
+    """One TCP connection after the handshake."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        direction: str,
+        peer_broker: str,
+        peer_address: str | None,
+        send_key: bytes,
+        receive_key: bytes,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.direction = direction
+        self.peer_broker = peer_broker
+        self.peer_address = peer_address
+        self.send_key = send_key  # one key per direction: a frame cannot be reflected
+        self.receive_key = receive_key
+        self.sent_number = 0  # the CONFIRM's (the dialler's) or none yet (the acceptor's)
+        self.received = frames.ReplayGuard()  # a frame replayed into the connection
+        peername = writer.get_extra_info("peername")
+        self.peer = f"{peername[0]}:{peername[1]}" if peername else "?"
+        self.opened_at = self.last_activity = self.last_received = time.time()
+        self.frames_sent = self.frames_received = 0
+        self.bytes_sent = self.bytes_received = 0
+        self.corrupted = 0
+        self.last_acked = 0.0  # when the peer last acknowledged one of our fragments here
+        self.ping_sent_at: float | None = None  # a PING waits for any frame back
+        self.ping_due = False  # a PING goes with the next frame
+        self.pong_due = False  # the peer PINGed: any frame answers
+        self.acks: list[list[Any]] = []
+        self.rejects: list[list[Any]] = []
+        self.link: Link | None = None
+        self.wake = asyncio.Event()
+        self.closed = False
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def seal(self, kind: frames.Kind, header: dict[str, Any], body: bytes | None) -> bytes:
+        """The next frame of this direction: numbered, signed with its session key."""
+        self.sent_number += 1
+        header[frames.NUMBER] = self.sent_number
+        return frames.encode(kind, header, body, self.send_key)
+
+    def info(self) -> ConnectionInfo:
+        return ConnectionInfo(
+            direction=self.direction,
+            peer=self.peer,
+            peer_address=self.peer_address,
+            peer_broker=self.peer_broker,
+            opened_at=self.opened_at,
+            last_activity_at=self.last_activity,
+            frames_sent=self.frames_sent,
+            frames_received=self.frames_received,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            corrupted_frames=self.corrupted,
+            carries_messages=self.link is not None and self.link.connection is self,
+        )
