@@ -184,9 +184,8 @@ class ConversationOperations:
         looked = None
         if group_id is None:
             with self._single_statement() as tx:
-                seen = tx.session.waiting.wakeups.generation(queue)
                 try:
-                    found = receiving.fast(tx.session, queue, top, handle)
+                    found, looked = receiving.first_look(tx.session, queue, top, handle)
                 except exceptions.ConnectionLost as exc:
                     if not tx.session.autocommit or not tx.session.connected:
                         raise  # not connected: it took nothing, and is run again
@@ -194,10 +193,7 @@ class ConversationOperations:
                     # it may have taken messages, which only the caller can find again.
                     raise exceptions.ConnectionLost(str(exc), committing=True) from exc
                 if found:
-                    tx.session.received_from(queue)
                     return found
-                if tx.session.store.features.one_statement_receive:
-                    looked = seen  # that look ran: the wait need not repeat it
         with self._operation() as tx:
             return receiving.receive(tx.session, queue, top, wait, handle, group_id, looked=looked)
 

@@ -37,13 +37,10 @@ def receive(
     :param looked: the caller has just made the one-statement look, in a transaction of
         its own, and found nothing: the wakeup generation it read before that look
     """
-    if looked is None and group_id is None and session.store.features.one_statement_receive:
-        seen = session.waiting.wakeups.generation(queue)
-        found = fast(session, queue, top, handle)
+    if looked is None and group_id is None:
+        found, looked = first_look(session, queue, top, handle)
         if found:
-            session.received_from(queue)
             return found
-        looked = seen
     return wait_for(
         session,
         queue,
@@ -55,6 +52,19 @@ def receive(
         if looked is None
         else (looked, lambda: look(session, queue, top, handle, None, fast_looked=True)),
     )
+
+
+def first_look(
+    session: Session, queue: str, top: int, handle: str | None
+) -> tuple[list[Message], int | None]:
+    """The one-statement look a RECEIVE makes first: what it got, and the wakeup
+    generation read before it — for the wait that follows an empty look (``None`` where
+    the dialect has no such look: the wait must look itself)."""
+    seen = session.waiting.wakeups.generation(queue)
+    found = fast(session, queue, top, handle)
+    if found:
+        session.received_from(queue)
+    return found, seen if session.store.features.one_statement_receive else None
 
 
 def look(
