@@ -294,9 +294,22 @@ class Broker(
             lambda: self._take_alone(queue, 1, duration, holder, wait, record),
             what="take_recorded",
         )
-        if taken is None:  # the dialect or the queue needs the checked take
-            return self.take(queue, 1, timeout, lease=duration, worker=holder, durable=False), None
+        if taken is None:  # the dialect or the queue needs the checked take: at once
+            return self._take_checked(queue, wait, duration, holder), None
         return taken, record.rows if taken else None
+
+    def _take_checked(
+        self, queue: str, timeout: float | None, duration: float, holder: str
+    ) -> list[Lease]:
+        """The checked take of one message, in a transaction of its own that commits
+        without the WAL flush (``take(durable=False)`` once the one-statement take has
+        said no: asking it again would only repeat its look)."""
+
+        def checked() -> list[Lease]:
+            with self._operation() as tx:
+                return leasing_ops.take(tx.session, queue, 1, timeout, duration, holder, False)
+
+        return self.retrying(checked, what="take")
 
     def _take_alone(
         self,

@@ -13,6 +13,7 @@ import pytest
 
 from scheduler_lib.broker import Broker
 from scheduler_lib.broker.db.store import Store
+from scheduler_lib.broker.ops import leases as leases_ops
 from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
 
 pytestmark = pytest.mark.postgres
@@ -69,6 +70,33 @@ def test_the_start_is_recorded_in_the_take(broker: Broker, monkeypatch: pytest.M
     assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "3")
     assert row["start_time"] == leases[0].taken_at
     assert row["worker_id"] == executor.worker()
+    assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+
+
+def test_a_queue_that_keeps_what_it_delivers_is_taken_the_checked_way_at_once(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a target queue with retention on (the one-statement take leaves it alone)
+    broker.alter_queue(QUEUE, retention=True)
+    scheduler = TaskScheduler(broker)
+    handle = scheduler.get_scheduler()
+    log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -3))
+    executor = Executor(broker, QUEUE, idle_timeout=1)
+    looks: list[str] = []
+    take_fast = leases_ops.take_fast
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        looks.append(args[1])
+        return take_fast(*args, **kwargs)
+
+    monkeypatch.setattr(leases_ops, "take_fast", counting)
+    # When the executor takes the task
+    assert executor.run_one(timeout=5)
+    # Then the one-statement take looked once, and the checked take took it (no second
+    # look before it), and the task ran once
+    assert looks == [QUEUE]
+    (row,) = broker.fetch("log_get", log_id=log_id)
+    assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "3")
     assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
 
 
