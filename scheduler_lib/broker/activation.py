@@ -33,15 +33,13 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import counters, exceptions
+from scheduler_lib.broker import counters, exceptions, models
 from scheduler_lib.broker import validation as checks
 from scheduler_lib.broker.db import wakeup
-from scheduler_lib.broker.models import QueueInfo
 from scheduler_lib.broker.ops import endpoints, events
-from scheduler_lib.broker.ops.events import QUEUE_ACTIVATION
 
 if TYPE_CHECKING:
-    from scheduler_lib.broker.broker import Broker
+    from scheduler_lib.broker import broker as brokers
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +89,7 @@ def _run_in_process(
     process starts without its parent's logging), a broker of its own, then the
     procedure. It ends itself when its runtime dies (even by SIGKILL), so no reader
     outlives the heartbeat that vouched for it."""
-    from scheduler_lib.broker.broker import Broker
+    from scheduler_lib.broker import broker as brokers
 
     if setup is not None:
         setup()
@@ -105,7 +103,7 @@ def _run_in_process(
 
     threading.Thread(target=watch_parent, name="reader-parent-watch", daemon=True).start()
     _reader.task_id = task_id
-    with Broker(url, migrate=False, timers=False) as broker:
+    with brokers.Broker(url, migrate=False, timers=False) as broker:
         checks.resolve(procedure)(broker, queue)
 
 
@@ -137,7 +135,7 @@ class ActivationRuntime:
 
     def __init__(
         self,
-        broker: Broker,
+        broker: brokers.Broker,
         *,
         clock: Callable[[], float] = time.time,
         check_interval: float = CHECK_INTERVAL,
@@ -424,7 +422,7 @@ class ActivationRuntime:
         self._saturated[queue] = full
         return Decision(queue, True, running, len(started), posted, info.is_activation_eager)
 
-    def _warn_serial(self, info: QueueInfo) -> None:
+    def _warn_serial(self, info: models.QueueInfo) -> None:
         """Say once per queue that SQLite runs its readers one at a time: a reader that
         RECEIVEs inside its transaction holds the whole database's write lock until it
         commits, so a second reader (and every sender) waits for it. Eager queues' readers
@@ -450,7 +448,7 @@ class ActivationRuntime:
     def _readers_wanted(
         self,
         tx: Any,
-        info: QueueInfo,
+        info: models.QueueInfo,
         monitor: Mapping[str, Any],
         running: int,
         nobody_waiting: bool,
@@ -485,7 +483,7 @@ class ActivationRuntime:
         now: float,
     ) -> int:
         subscribers = tx.session.all(
-            "event_notifications_for", queue=queue, event_type=QUEUE_ACTIVATION
+            "event_notifications_for", queue=queue, event_type=events.QUEUE_ACTIVATION
         )
         if not subscribers or not nobody_waiting:
             return 0
@@ -496,7 +494,7 @@ class ActivationRuntime:
             timed_out = now - (monitor["last_notified_at"] or 0) >= self.notification_timeout
             if not (received_since or timed_out):
                 return 0
-        posted = events.post(tx.session, queue, QUEUE_ACTIVATION, now=now)
+        posted = events.post(tx.session, queue, events.QUEUE_ACTIVATION, now=now)
         tx.session.execute("monitor_notified", queue=queue, head=head, now=now)
         return posted
 
@@ -593,7 +591,7 @@ def _readers_key(queue: str) -> str:
 
 
 @contextlib.contextmanager
-def running(broker: Broker, **options: Any) -> Iterator[ActivationRuntime]:
+def running(broker: brokers.Broker, **options: Any) -> Iterator[ActivationRuntime]:
     """An activation runtime for the duration of a ``with`` block."""
     runtime = ActivationRuntime(broker, **options).start()
     try:

@@ -15,22 +15,23 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import counters, exceptions, schema
+from scheduler_lib.broker import (
+    catalog,
+    conversations,
+    counters,
+    exceptions,
+    failures,
+    models,
+    routes,
+    schema,
+)
 from scheduler_lib.broker import leases as leasing
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.catalog import CatalogOperations
-from scheduler_lib.broker.conversations import ConversationOperations
-from scheduler_lib.broker.db import connections, store, waiting
+from scheduler_lib.broker.db import connections, session, store, waiting
 from scheduler_lib.broker.db import engine as engines
-from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.db.store import Row
-from scheduler_lib.broker.failures import PoisonOperations
-from scheduler_lib.broker.leases import Lease, LeaseOperations
-from scheduler_lib.broker.models import Validation
 from scheduler_lib.broker.ops import leases as leasing_ops
 from scheduler_lib.broker.ops import poison as poisoning
 from scheduler_lib.broker.ops import timers
-from scheduler_lib.broker.routes import RouteOperations
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,7 +41,11 @@ TIMER_POLL_INTERVAL = 1.0  # seconds; the timer thread re-reads the soonest dead
 
 
 class Transaction(
-    CatalogOperations, ConversationOperations, LeaseOperations, PoisonOperations, RouteOperations
+    catalog.CatalogOperations,
+    conversations.ConversationOperations,
+    leasing.LeaseOperations,
+    failures.PoisonOperations,
+    routes.RouteOperations,
 ):
     """One database transaction. Use as a context manager: it commits on a clean exit and
     rolls back on an exception, and received messages then return to their queue.
@@ -57,7 +62,7 @@ class Transaction(
         self._broker = broker
         #: the connection and what this transaction's operations did (the broker's own
         #: operations use it; a layer above uses the named-query methods below)
-        self.session = Session(broker, autocommit=autocommit, engine=engine)
+        self.session = session.Session(broker, autocommit=autocommit, engine=engine)
         self.session.serves(self)
 
     # --- lifecycle -------------------------------------------------------------------
@@ -103,11 +108,11 @@ class Transaction(
         self.session.mark_written()
         return self.session.count(query, **params)
 
-    def fetch(self, query: str, /, **params: Any) -> list[Row]:
+    def fetch(self, query: str, /, **params: Any) -> list[store.Row]:
         """Every row of a named query, as mappings."""
         return self.session.all(query, **params)
 
-    def fetch_one(self, query: str, /, **params: Any) -> Row | None:
+    def fetch_one(self, query: str, /, **params: Any) -> store.Row | None:
         """The first row of a named query, or ``None``."""
         return self.session.one(query, **params)
 
@@ -117,7 +122,11 @@ class Transaction(
 
 
 class Broker(
-    CatalogOperations, ConversationOperations, LeaseOperations, PoisonOperations, RouteOperations
+    catalog.CatalogOperations,
+    conversations.ConversationOperations,
+    leasing.LeaseOperations,
+    failures.PoisonOperations,
+    routes.RouteOperations,
 ):
     """A message broker on one database.
 
@@ -173,7 +182,7 @@ class Broker(
         self.max_message_size = max_message_size
         # Message type -> validation, for SEND's fast path; the statement re-checks the
         # validation in the database, so a stale entry costs a slow path, never a wrong send.
-        self._validation_cache: dict[str, Validation] = {}
+        self._validation_cache: dict[str, models.Validation] = {}
         if migrate:
             self.retrying(lambda: _migrating(self._engine), what="migrate")
         self.clock = clock
@@ -267,7 +276,7 @@ class Broker(
         lease: float = leasing.DEFAULT_LEASE,
         worker: str | None = None,
         durable: bool = True,
-    ) -> tuple[list[Lease], list[tuple[Any, ...]] | None]:
+    ) -> tuple[list[leasing.Lease], list[tuple[Any, ...]] | None]:
         """:meth:`take` of one message with ``durable=False``, and in the same round trip
         the named statement ``query`` (of :meth:`use_queries`) in a transaction of its
         own that commits durably — which flushes the take too: what a worker records
@@ -300,12 +309,12 @@ class Broker(
 
     def _take_checked(
         self, queue: str, timeout: float | None, duration: float, holder: str
-    ) -> list[Lease]:
+    ) -> list[leasing.Lease]:
         """The checked take of one message, in a transaction of its own that commits
         without the WAL flush (``take(durable=False)`` once the one-statement take has
         said no: asking it again would only repeat its look)."""
 
-        def checked() -> list[Lease]:
+        def checked() -> list[leasing.Lease]:
             with self._operation() as tx:
                 return leasing_ops.take(tx.session, queue, 1, timeout, duration, holder, False)
 
@@ -319,7 +328,7 @@ class Broker(
         holder: str,
         timeout: float | None,
         record: leasing_ops.Record | None = None,
-    ) -> list[Lease] | None:
+    ) -> list[leasing.Lease] | None:
         """The one-statement take and its wait (``ops.leases.take_waiting``), each look a
         transaction of its own that commits without the WAL flush; ``None`` where the
         dialect or the queue needs the checked take. (``take`` rides through a lost
@@ -327,7 +336,7 @@ class Broker(
         if not self._store.features.one_statement_take:
             return None
 
-        def look() -> list[Lease]:
+        def look() -> list[leasing.Lease]:
             now = time.time()
             try:
                 with self._taking() as tx:
@@ -359,7 +368,9 @@ class Broker(
                     )
         return Transaction(self, autocommit=True, engine=self._async_engine)
 
-    def _found_again(self, queue: str, holder: str, duration: float, now: float) -> list[Lease]:
+    def _found_again(
+        self, queue: str, holder: str, duration: float, now: float
+    ) -> list[leasing.Lease]:
         with self.transaction() as tx:
             # It only reads, and commits: a ROLLBACK would drop the prepared statements.
             return leasing_ops.found_again(tx.session, queue, holder, duration, now)
@@ -492,7 +503,7 @@ class Broker(
             log.warning("could not count a rollback on %s", sorted(queues), exc_info=True)
 
     def keep_alive(
-        self, leases: Sequence[Lease], interval: float | None = None
+        self, leases: Sequence[leasing.Lease], interval: float | None = None
     ) -> contextlib.AbstractContextManager[dict[str, Any]]:
         """Renew ``leases`` in the background while a ``with`` block runs (the worker's
         heartbeat)::
@@ -604,11 +615,11 @@ def _rides_through(operation: Callable[..., T]) -> Callable[..., T]:
 # The operations shared with Transaction (where the caller owns the transaction, and a
 # lost connection is the caller's to handle) ride through outages on the broker itself.
 for _operations in (
-    CatalogOperations,
-    ConversationOperations,
-    LeaseOperations,
-    PoisonOperations,
-    RouteOperations,
+    catalog.CatalogOperations,
+    conversations.ConversationOperations,
+    leasing.LeaseOperations,
+    failures.PoisonOperations,
+    routes.RouteOperations,
 ):
     for _name, _operation in vars(_operations).items():
         public = not _name.startswith("_") and inspect.isfunction(_operation)

@@ -10,20 +10,19 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-from scheduler_lib.broker.db.session import InTransaction
-from scheduler_lib.broker.models import ANY, ConversationPriority, QueueInfo, SentBy, Validation
+from scheduler_lib.broker import models
+from scheduler_lib.broker.db import session
 from scheduler_lib.broker.ops import catalog
-from scheduler_lib.broker.ops.catalog import DEFAULT_PRIORITY_LEVEL, UNSET
 
 
 class CatalogOperations:
     """CREATE / ALTER / DROP of the broker's catalog objects."""
 
-    def _operation(self) -> contextlib.AbstractContextManager[InTransaction]:
+    def _operation(self) -> contextlib.AbstractContextManager[session.InTransaction]:
         raise NotImplementedError
 
     def create_message_type(
-        self, name: str, validation: Validation | str = Validation.NONE
+        self, name: str, validation: models.Validation | str = models.Validation.NONE
     ) -> None:
         """CREATE MESSAGE TYPE.
 
@@ -34,7 +33,7 @@ class CatalogOperations:
         with self._operation() as tx:
             catalog.create_message_type(tx.session, name, validation)
 
-    def alter_message_type(self, name: str, validation: Validation | str) -> None:
+    def alter_message_type(self, name: str, validation: models.Validation | str) -> None:
         """ALTER MESSAGE TYPE ... VALIDATION.
 
         :raises MessageTypeNotFound: for an unknown name
@@ -51,12 +50,12 @@ class CatalogOperations:
         with self._operation() as tx:
             catalog.drop_message_type(tx.session, name)
 
-    def message_types(self) -> dict[str, Validation]:
+    def message_types(self) -> dict[str, models.Validation]:
         """Every message type with its validation (``sys.service_message_types``)."""
         with self._operation() as tx:
             return catalog.message_types(tx.session)
 
-    def create_contract(self, name: str, message_types: Mapping[str, SentBy | str]) -> None:
+    def create_contract(self, name: str, message_types: Mapping[str, models.SentBy | str]) -> None:
         """CREATE CONTRACT.
 
         :param name: the contract's name
@@ -67,7 +66,7 @@ class CatalogOperations:
         with self._operation() as tx:
             catalog.create_contract(tx.session, name, message_types)
 
-    def contract(self, name: str) -> dict[str, SentBy]:
+    def contract(self, name: str) -> dict[str, models.SentBy]:
         """A contract's message types and who sends each.
 
         :raises ContractNotFound: for an unknown name
@@ -146,17 +145,17 @@ class CatalogOperations:
         self,
         name: str,
         *,
-        status: bool = UNSET,
-        retention: bool = UNSET,
-        activation_status: bool = UNSET,
-        activation_procedure: str | None = UNSET,
-        max_queue_readers: int = UNSET,
-        execute_as: str | None = UNSET,
-        poison_message_handling: bool = UNSET,
-        receive_aging: float | None = UNSET,
-        fair_share: float | None = UNSET,
-        eager_activation: bool = UNSET,
-    ) -> QueueInfo:
+        status: bool = catalog.UNSET,
+        retention: bool = catalog.UNSET,
+        activation_status: bool = catalog.UNSET,
+        activation_procedure: str | None = catalog.UNSET,
+        max_queue_readers: int = catalog.UNSET,
+        execute_as: str | None = catalog.UNSET,
+        poison_message_handling: bool = catalog.UNSET,
+        receive_aging: float | None = catalog.UNSET,
+        fair_share: float | None = catalog.UNSET,
+        eager_activation: bool = catalog.UNSET,
+    ) -> models.QueueInfo:
         """ALTER QUEUE: change the given settings, keep the others.
 
         Turning ``status`` on delivers the messages that waited for the queue in the
@@ -182,7 +181,7 @@ class CatalogOperations:
                 eager_activation=eager_activation,
             )
 
-    def queue(self, name: str) -> QueueInfo:
+    def queue(self, name: str) -> models.QueueInfo:
         """A queue's settings.
 
         :raises QueueNotFound: for an unknown name
@@ -190,7 +189,7 @@ class CatalogOperations:
         with self._operation() as tx:
             return catalog.queue(tx.session, name)
 
-    def queues(self) -> list[QueueInfo]:
+    def queues(self) -> list[models.QueueInfo]:
         """Every queue (``sys.service_queues``)."""
         with self._operation() as tx:
             return catalog.queues(tx.session)
@@ -309,10 +308,10 @@ class CatalogOperations:
         self,
         name: str,
         *,
-        contract: str | None = ANY,
-        local_service: str | None = ANY,
-        remote_service: str | None = ANY,
-        level: int = DEFAULT_PRIORITY_LEVEL,
+        contract: str | None = models.ANY,
+        local_service: str | None = models.ANY,
+        remote_service: str | None = models.ANY,
+        level: int = catalog.DEFAULT_PRIORITY_LEVEL,
     ) -> None:
         """CREATE BROKER PRIORITY.
 
@@ -342,11 +341,11 @@ class CatalogOperations:
         self,
         name: str,
         *,
-        contract: str | None = UNSET,
-        local_service: str | None = UNSET,
-        remote_service: str | None = UNSET,
-        level: int = UNSET,
-    ) -> ConversationPriority:
+        contract: str | None = catalog.UNSET,
+        local_service: str | None = catalog.UNSET,
+        remote_service: str | None = catalog.UNSET,
+        level: int = catalog.UNSET,
+    ) -> models.ConversationPriority:
         """ALTER BROKER PRIORITY: change what is given (``None`` sets ``ANY``). Existing
         endpoints keep their level; only endpoints created afterwards see the change.
 
@@ -370,7 +369,7 @@ class CatalogOperations:
         with self._operation() as tx:
             catalog.drop_priority(tx.session, name)
 
-    def conversation_priorities(self) -> list[ConversationPriority]:
+    def conversation_priorities(self) -> list[models.ConversationPriority]:
         """Every priority (``sys.conversation_priorities``)."""
         with self._operation() as tx:
             return catalog.conversation_priorities(tx.session)

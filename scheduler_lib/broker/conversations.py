@@ -13,26 +13,19 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import exceptions, models
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.db.session import InTransaction
-from scheduler_lib.broker.models import (
-    DEFAULT,
-    SYSTEM_MESSAGE_TYPES,
-    ConversationEndpoint,
-    Message,
-)
+from scheduler_lib.broker.db import session as sessions
 from scheduler_lib.broker.ops import conversations, leases, receiving, sending
-from scheduler_lib.broker.ops.leases import Lease
 
 
 class ConversationOperations:
     """Conversations between services, with Service Broker's guarantees."""
 
-    def _operation(self) -> contextlib.AbstractContextManager[InTransaction]:
+    def _operation(self) -> contextlib.AbstractContextManager[sessions.InTransaction]:
         raise NotImplementedError
 
-    def _single_statement(self) -> contextlib.AbstractContextManager[InTransaction]:
+    def _single_statement(self) -> contextlib.AbstractContextManager[sessions.InTransaction]:
         """Where one statement does the whole operation (the fast paths): the caller's
         transaction, or on the broker an autocommit one that saves BEGIN and COMMIT."""
         return self._operation()
@@ -41,7 +34,7 @@ class ConversationOperations:
         self,
         from_service: str,
         to_service: str,
-        contract: str = DEFAULT,
+        contract: str = models.DEFAULT,
         *,
         lifetime: float | None = None,
         related_conversation: uuid.UUID | str | None = None,
@@ -74,10 +67,10 @@ class ConversationOperations:
     def send(
         self,
         conversation_handle: uuid.UUID | str,
-        message_type: str = DEFAULT,
+        message_type: str = models.DEFAULT,
         body: checks.Body = None,
         *,
-        completing: Lease | None = None,
+        completing: leases.Lease | None = None,
         before: tuple[str, Mapping[str, Any]] | None = None,
     ) -> int:
         """SEND ON CONVERSATION.
@@ -101,7 +94,7 @@ class ConversationOperations:
         """
         handle = checks.handle(conversation_handle)
         message_type = checks.name(message_type, "message type")
-        if message_type in SYSTEM_MESSAGE_TYPES:
+        if message_type in models.SYSTEM_MESSAGE_TYPES:
             raise exceptions.InvalidArgument(
                 f"{message_type!r} is a system message type",
                 hint="end_conversation() sends EndDialog and Error",
@@ -159,7 +152,7 @@ class ConversationOperations:
         *,
         conversation: uuid.UUID | str | None = None,
         group: uuid.UUID | str | None = None,
-    ) -> list[Message]:
+    ) -> list[models.Message]:
         """WAITFOR (RECEIVE TOP (n) ... FROM queue), TIMEOUT t.
 
         Returns messages of one conversation group, locked until the transaction ends:
@@ -248,7 +241,9 @@ class ConversationOperations:
         with self._operation() as tx:
             conversations.begin_conversation_timer(tx.session, conversation_handle, timeout)
 
-    def conversation_endpoint(self, conversation_handle: uuid.UUID | str) -> ConversationEndpoint:
+    def conversation_endpoint(
+        self, conversation_handle: uuid.UUID | str
+    ) -> models.ConversationEndpoint:
         """One endpoint (a row of ``sys.conversation_endpoints``).
 
         :raises ConversationNotFound: for an unknown handle
@@ -256,12 +251,12 @@ class ConversationOperations:
         with self._operation() as tx:
             return conversations.conversation_endpoint(tx.session, conversation_handle)
 
-    def conversation_endpoints(self) -> list[ConversationEndpoint]:
+    def conversation_endpoints(self) -> list[models.ConversationEndpoint]:
         """Every endpoint (``sys.conversation_endpoints``)."""
         with self._operation() as tx:
             return conversations.conversation_endpoints(tx.session)
 
-    def peek(self, queue: str) -> list[Message]:
+    def peek(self, queue: str) -> list[models.Message]:
         """The queue's rows without receiving them (``SELECT * FROM queue``)."""
         with self._operation() as tx:
             return conversations.peek(tx.session, queue)

@@ -10,10 +10,9 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from scheduler_lib.broker.db.session import InTransaction
-from scheduler_lib.broker.models import Message
+from scheduler_lib.broker import models
+from scheduler_lib.broker.db import session
 from scheduler_lib.broker.ops import poison as poisoning
-from scheduler_lib.broker.ops.poison import History, PoisonMessage, PoisonPolicy
 
 __all__ = ["PoisonOperations"]
 
@@ -22,10 +21,10 @@ class PoisonOperations:
     """Poison policies, the poison-message log and failure records: each one line into
     :mod:`scheduler_lib.broker.ops.poison`."""
 
-    def _operation(self) -> contextlib.AbstractContextManager[InTransaction]:
+    def _operation(self) -> contextlib.AbstractContextManager[session.InTransaction]:
         raise NotImplementedError
 
-    def set_poison_policy(self, queue: str, policy: PoisonPolicy | None) -> None:
+    def set_poison_policy(self, queue: str, policy: poisoning.PoisonPolicy | None) -> None:
         """Store the queue's poison policy (``None``: back to the default); every process
         that handles the queue's failures reads it.
 
@@ -35,7 +34,7 @@ class PoisonOperations:
         with self._operation() as tx:
             poisoning.set_poison_policy(tx.session, queue, policy)
 
-    def poison_policy(self, queue: str) -> PoisonPolicy:
+    def poison_policy(self, queue: str) -> poisoning.PoisonPolicy:
         """The queue's poison policy (the default when none is stored).
 
         :raises QueueNotFound: for an unknown queue
@@ -45,11 +44,11 @@ class PoisonOperations:
 
     def record_failure(
         self,
-        message: Message,
+        message: models.Message,
         error: BaseException | str | None = None,
         *,
         worker: str | None = None,
-    ) -> History:
+    ) -> poisoning.History:
         """Record that handling ``message`` failed. Call it *after* the failed transaction
         rolled back (the record must outlive it), as the seed does.
 
@@ -58,12 +57,12 @@ class PoisonOperations:
         with self._operation() as tx:
             return poisoning.record_failure(tx.session, message, error, worker=worker)
 
-    def failure_history(self, message: Message) -> History:
+    def failure_history(self, message: models.Message) -> poisoning.History:
         """How often ``message`` failed since it last came back from the holding queue."""
         with self._operation() as tx:
             return poisoning.failure_history(tx.session, message)
 
-    def forget_failures(self, message: Message) -> int:
+    def forget_failures(self, message: models.Message) -> int:
         """Delete ``message``'s failure records (a hand-written loop calls it once the
         message was handled; the detector does it itself).
 
@@ -83,12 +82,12 @@ class PoisonOperations:
 
     def poison_messages(
         self, queue: str | None = None, state: str | None = None
-    ) -> list[PoisonMessage]:
+    ) -> list[poisoning.PoisonMessage]:
         """Poison messages LOGGED for an operator or PARKED in the holding queue."""
         with self._operation() as tx:
             return poisoning.poison_messages(tx.session, queue, state)
 
-    def poison_message(self, poison_id: int) -> PoisonMessage:
+    def poison_message(self, poison_id: int) -> poisoning.PoisonMessage:
         """One poison message.
 
         :raises NotFound: for an unknown id

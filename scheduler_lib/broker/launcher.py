@@ -13,12 +13,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from scheduler_lib.broker import exceptions
-from scheduler_lib.broker.models import END_DIALOG, ERROR
-from scheduler_lib.broker.ops.catalog import EVENT_MESSAGE_TYPE
+from scheduler_lib.broker import exceptions, models
+from scheduler_lib.broker.ops import catalog
 
 if TYPE_CHECKING:
-    from scheduler_lib.broker.broker import Broker
+    from scheduler_lib.broker import broker as brokers
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class Launcher:
 
     def __init__(
         self,
-        broker: Broker,
+        broker: brokers.Broker,
         queue: str,
         command: Sequence[str],
         *,
@@ -95,10 +94,10 @@ class Launcher:
         started = 0
         with self.broker.transaction() as tx:
             for message in tx.receive(self.queue, top=100, timeout=timeout):
-                if message.message_type_name in (END_DIALOG, ERROR):
+                if message.message_type_name in (models.END_DIALOG, models.ERROR):
                     tx.end_conversation(message.conversation_handle)
                     continue
-                if message.message_type_name != EVENT_MESSAGE_TYPE:
+                if message.message_type_name != catalog.EVENT_MESSAGE_TYPE:
                     log.warning(
                         "launcher on %s: ignoring %s", self.queue, message.message_type_name
                     )

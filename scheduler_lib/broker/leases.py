@@ -26,11 +26,9 @@ from typing import Any, Protocol
 
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.db import connections
-from scheduler_lib.broker.db.session import InTransaction
-from scheduler_lib.broker.ops import leases
+from scheduler_lib.broker.db import connections, session
+from scheduler_lib.broker.ops import leases, poison
 from scheduler_lib.broker.ops.leases import DEFAULT_LEASE, Lease, expire_leases, lease_from_row
-from scheduler_lib.broker.ops.poison import worker_name
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +46,7 @@ class LeaseOperations:
     """Taking messages under leases, and ending them; on the broker (each in a
     transaction of its own) and inside a transaction."""
 
-    def _operation(self) -> contextlib.AbstractContextManager[InTransaction]:
+    def _operation(self) -> contextlib.AbstractContextManager[session.InTransaction]:
         raise NotImplementedError  # Broker and Transaction provide it
 
     def _take_alone(
@@ -92,7 +90,7 @@ class LeaseOperations:
         if not duration:
             raise exceptions.InvalidArgument("a lease needs a duration greater than 0 seconds")
         wait = checks.timeout(timeout)
-        holder = worker or worker_name()
+        holder = worker or poison.worker_name()
         top = checks.positive_int(top, "top")
         if not durable:
             taken = self._take_alone(queue, top, duration, holder, wait)

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from scheduler_lib.broker.exceptions import QueueDisabled
+from scheduler_lib.broker import exceptions
 
 if sys.version_info >= (3, 11):
     StrEnum = enum.StrEnum
@@ -227,10 +227,10 @@ class QueueInfo:
             is_activation_eager=bool(row.get("is_activation_eager") or False),
         )
 
-    def disabled_error(self) -> QueueDisabled:
+    def disabled_error(self) -> exceptions.QueueDisabled:
         """The error a RECEIVE on this (disabled) queue raises: it says why and how back."""
         reason = f": {self.disabled_reason}" if self.disabled_reason else ""
-        return QueueDisabled(
+        return exceptions.QueueDisabled(
             f"queue {self.name!r} is disabled (status off){reason}",
             hint=f"turn it back on with alter_queue({self.name!r}, status=True)",
         )

@@ -31,9 +31,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import exceptions, models
 from scheduler_lib.broker.failures import PoisonOperations
-from scheduler_lib.broker.models import Message
 from scheduler_lib.broker.ops import poison as poisoning
 from scheduler_lib.broker.ops.poison import (
     DEFAULT_THRESHOLD,
@@ -55,7 +54,7 @@ from scheduler_lib.broker.ops.poison import (
 )
 
 if TYPE_CHECKING:
-    from scheduler_lib.broker.broker import Broker, Transaction
+    from scheduler_lib.broker import broker as brokers
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -92,7 +91,7 @@ class Outcome:
     ``discarded`` (received in the same batch as a routed message whose disposition
     ended their conversation)."""
 
-    message: Message
+    message: models.Message
     status: str
     error: str | None = None
     dispositions: tuple[str, ...] = ()
@@ -101,7 +100,7 @@ class Outcome:
 # --- the seed's detector ---------------------------------------------------------------
 
 
-Handler = Callable[["Transaction", Message], Any]
+Handler = Callable[["brokers.Transaction", models.Message], Any]
 
 
 class PoisonDetector:
@@ -122,7 +121,7 @@ class PoisonDetector:
 
     def __init__(
         self,
-        broker: Broker,
+        broker: brokers.Broker,
         queue: str,
         policy: PoisonPolicy | None = None,
         *,
@@ -157,7 +156,7 @@ class PoisonDetector:
         """
         policy = self.policy
         tx = self.broker.transaction()
-        current: Message | None = None
+        current: models.Message | None = None
         try:
             messages = tx.receive(self.queue, top, timeout)
             outcomes = []

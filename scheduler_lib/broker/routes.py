@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from scheduler_lib.broker.db.session import InTransaction
+from scheduler_lib.broker.db import session
 from scheduler_lib.broker.ops import routes
 from scheduler_lib.broker.ops.routes import LOCAL, Route
 
@@ -15,7 +15,7 @@ __all__ = ["LOCAL", "Route", "RouteOperations"]
 class RouteOperations:
     """CREATE / ALTER / DROP ROUTE and the broker's own instance id."""
 
-    def _operation(self) -> contextlib.AbstractContextManager[InTransaction]:
+    def _operation(self) -> contextlib.AbstractContextManager[session.InTransaction]:
         raise NotImplementedError
 
     def create_route(

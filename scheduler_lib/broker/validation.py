@@ -12,8 +12,7 @@ import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
 from typing import Any
 
-from scheduler_lib.broker import exceptions
-from scheduler_lib.broker.models import Validation
+from scheduler_lib.broker import exceptions, models
 
 NAME_MAX_LENGTH = 128  # characters, SQL Server's sysname
 INT_MAX = 2**31 - 1  # the largest count or id a column holds on every backend (int4)
@@ -108,27 +107,27 @@ def body_bytes(body: Body, max_size: int) -> bytes | None:
     return data
 
 
-def check_body(message_type: str, validation: Validation, body: bytes | None) -> None:
+def check_body(message_type: str, validation: models.Validation, body: bytes | None) -> None:
     """Apply a message type's validation; an empty body passes every validation but EMPTY's
     opposite (as in SQL Server, empty messages are not validated).
 
     :raises InvalidMessageBody: naming the message type and what is wrong
     """
-    if validation is Validation.NONE or not body:
+    if validation is models.Validation.NONE or not body:
         return
-    if validation is Validation.EMPTY:
+    if validation is models.Validation.EMPTY:
         raise exceptions.InvalidMessageBody(
             f"message type {message_type!r} has VALIDATION = EMPTY "
             f"but the body has {len(body)} bytes"
         )
-    if validation is Validation.WELL_FORMED_XML:
+    if validation is models.Validation.WELL_FORMED_XML:
         try:
             ElementTree.fromstring(body)
         except ElementTree.ParseError as exc:
             raise exceptions.InvalidMessageBody(
                 f"message type {message_type!r} requires well-formed XML: {exc}"
             ) from None
-    elif validation is Validation.JSON:
+    elif validation is models.Validation.JSON:
         try:
             text = body.decode(json.detect_encoding(body), "surrogatepass")  # as json.loads
         except UnicodeDecodeError as exc:

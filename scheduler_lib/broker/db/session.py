@@ -22,10 +22,8 @@ from typing import Any, Protocol
 
 import sqlalchemy as sa
 
-from scheduler_lib.broker import counters, exceptions
+from scheduler_lib.broker import counters, exceptions, models
 from scheduler_lib.broker.db import connections, store, waiting, wakeup
-from scheduler_lib.broker.db.store import Row
-from scheduler_lib.broker.models import QueueInfo, Validation
 
 
 class Owner(Protocol):
@@ -45,7 +43,7 @@ class Owner(Protocol):
 
     # What the operations over a session (``ops/``) use of their broker's process state
     # besides its waiting readers: SEND's cache of message types' validations.
-    _validation_cache: dict[str, Validation]
+    _validation_cache: dict[str, models.Validation]
     max_message_size: int
 
     @property
@@ -78,7 +76,7 @@ class Session:
         self.waiting = broker.waiting  # this process's waiting readers (WAITFOR)
         self.autocommit = autocommit  # only for single-statement operations
         # The transport's batches share their queue lookups here (None: not cached).
-        self.queue_cache: dict[str, QueueInfo] | None = None
+        self.queue_cache: dict[str, models.QueueInfo] | None = None
         # The public transaction this session serves, held weakly: a reference cycle per
         # transaction would leave every one to the cyclic garbage collector.
         self._front: weakref.ref[Any] | None = None
@@ -113,10 +111,10 @@ class Session:
     def execute(self, query: str, /, **params: Any) -> sa.CursorResult[Any]:
         return self.store.execute(self.connection(), query, **params)
 
-    def one(self, query: str, /, **params: Any) -> Row | None:
+    def one(self, query: str, /, **params: Any) -> store.Row | None:
         return self.store.one(self.connection(), query, **params)
 
-    def all(self, query: str, /, **params: Any) -> list[Row]:
+    def all(self, query: str, /, **params: Any) -> list[store.Row]:
         return self.store.all(self.connection(), query, **params)
 
     def scalar(self, query: str, /, **params: Any) -> Any:

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
+from scheduler_lib.broker import models
 from scheduler_lib.broker.db import connections, store, wakeup
-from scheduler_lib.broker.models import QueueInfo
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Waiting:
         self.last_group_received: dict[str, str] = {}
         # queue -> (monotonic time read, settings): what RECEIVE checks before it waits;
         # cleared when this process changes the catalog
-        self.waited_queues: dict[str, tuple[float, QueueInfo]] = {}
+        self.waited_queues: dict[str, tuple[float, models.QueueInfo]] = {}
 
     @property
     def announced(self) -> bool:

@@ -1,6 +1,6 @@
 """Alembic environment for the broker schema; see :func:`scheduler_lib.broker.schema.run_env`
 (there is no alembic.ini)."""
 
-from scheduler_lib.broker.schema import run_env
+from scheduler_lib.broker import schema
 
-run_env()
+schema.run_env()

@@ -28,29 +28,22 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import exceptions, models
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.models import (
-    ERROR,
-    ERROR_SEQUENCE,
-    ConversationEndpoint,
-    EndpointState,
-    Validation,
-)
+from scheduler_lib.broker.db import session as sessions
 from scheduler_lib.broker.ops import endpoints, sending
 
 if TYPE_CHECKING:
-    from scheduler_lib.broker.db.store import Row
+    from scheduler_lib.broker.db import store
 
 _SENDABLE = (
-    EndpointState.STARTED_OUTBOUND,
-    EndpointState.STARTED_INBOUND,
-    EndpointState.CONVERSING,
+    models.EndpointState.STARTED_OUTBOUND,
+    models.EndpointState.STARTED_INBOUND,
+    models.EndpointState.CONVERSING,
 )
 
 
-def release_held(session: Session, queue: str) -> None:
+def release_held(session: sessions.Session, queue: str) -> None:
     """Deliver the messages held for ``queue`` (which is on now), in arrival order."""
     session.mark_written()
     refused: list[tuple[str, int, str]] = []  # (receiving handle, its number, why)
@@ -74,7 +67,7 @@ def release_held(session: Session, queue: str) -> None:
         _fail(session, handle, seq, reason)
 
 
-def _refusal(row: Row) -> str | None:
+def _refusal(row: store.Row) -> str | None:
     """Why a held message may not arrive now, or ``None``."""
     message_type = row["message_type_name"]
     if row["validation"] is None:
@@ -82,13 +75,13 @@ def _refusal(row: Row) -> str | None:
         # contract that lists it, a contract only once no endpoint uses it): defensive.
         return f"message type {message_type!r} does not exist on this broker"
     try:
-        checks.check_body(message_type, Validation(row["validation"]), row["message_body"])
+        checks.check_body(message_type, models.Validation(row["validation"]), row["message_body"])
     except exceptions.InvalidMessageBody as exc:
         return str(exc)
     return None
 
 
-def _fail(session: Session, handle: str, seq: int, reason: str) -> None:
+def _fail(session: sessions.Session, handle: str, seq: int, reason: str) -> None:
     """Message ``seq`` held for endpoint ``handle`` failed its check on arrival: both
     sides of a local conversation get an ``Error`` and go to ``ER`` (the sender's
     answer is SQL Server's; the receiving side's is what delivery does for a message from
@@ -99,26 +92,26 @@ def _fail(session: Session, handle: str, seq: int, reason: str) -> None:
     row = session.one("endpoint_get", handle=handle)
     if row is None:
         return
-    receiver = ConversationEndpoint.from_row(row)
+    receiver = models.ConversationEndpoint.from_row(row)
     sender = None if receiver.is_remote else endpoints.far(session, receiver, create=False)
     body = json.dumps({"code": checks.INVALID_MESSAGE_CODE, "description": reason}).encode()
     if sender is not None:
-        if sender.state is EndpointState.DISCONNECTED_OUTBOUND:
+        if sender.state is models.EndpointState.DISCONNECTED_OUTBOUND:
             # Its END was held behind the message: nobody left to tell.
             endpoints.close(session, sender)
         elif sender.state in _SENDABLE:
             # The answer is the receiving side's next message; like every Error it is
             # received ahead of what the sender's queue still holds (ERROR_SEQUENCE).
             session.scalar("endpoint_take_system_sequence", handle=handle)
-            sending.enqueue_at(session, sender, ERROR_SEQUENCE, ERROR, body)
+            sending.enqueue_at(session, sender, models.ERROR_SEQUENCE, models.ERROR, body)
             session.execute(
                 "endpoint_set_state",
                 handle=str(sender.conversation_handle),
-                state=EndpointState.ERROR.value,
+                state=models.EndpointState.ERROR.value,
             )
     never_arrived = not receiver.is_initiator and not receiver.is_remote and seq == 0
-    if never_arrived or receiver.state is EndpointState.DISCONNECTED_OUTBOUND:
+    if never_arrived or receiver.state is models.EndpointState.DISCONNECTED_OUTBOUND:
         endpoints.close(session, receiver)
-    elif receiver.state is not EndpointState.CLOSED:
-        sending.enqueue_at(session, receiver, ERROR_SEQUENCE, ERROR, body)
-        session.execute("endpoint_set_state", handle=handle, state=EndpointState.ERROR.value)
+    elif receiver.state is not models.EndpointState.CLOSED:
+        sending.enqueue_at(session, receiver, models.ERROR_SEQUENCE, models.ERROR, body)
+        session.execute("endpoint_set_state", handle=handle, state=models.EndpointState.ERROR.value)

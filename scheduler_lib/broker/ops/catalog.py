@@ -8,17 +8,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import exceptions, models
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.models import (
-    ANY,
-    SYSTEM_MESSAGE_TYPES,
-    ConversationPriority,
-    QueueInfo,
-    SentBy,
-    Validation,
-)
+from scheduler_lib.broker.db import session as sessions
 from scheduler_lib.broker.ops import arrival, endpoints
 
 UNSET: Any = object()  # an ALTER argument not given: the setting stays
@@ -41,26 +33,30 @@ def _enum(enum_type: Any, value: Any, what: str) -> Any:
 
 
 def create_message_type(
-    session: Session, name: str, validation: Validation | str = Validation.NONE
+    session: sessions.Session,
+    name: str,
+    validation: models.Validation | str = models.Validation.NONE,
 ) -> None:
     """CREATE MESSAGE TYPE."""
     name = checks.name(name, "message type name")
-    checked = _enum(Validation, validation, "validation")
-    if name in SYSTEM_MESSAGE_TYPES:
+    checked = _enum(models.Validation, validation, "validation")
+    if name in models.SYSTEM_MESSAGE_TYPES:
         raise exceptions.AlreadyExists(f"{name!r} is a system message type")
     if session.one("message_type_get", name=name):
         raise exceptions.AlreadyExists(f"message type {name!r} already exists")
     session.execute("message_type_insert", name=name, validation=checked.value, now=time.time())
 
 
-def alter_message_type(session: Session, name: str, validation: Validation | str) -> None:
+def alter_message_type(
+    session: sessions.Session, name: str, validation: models.Validation | str
+) -> None:
     """ALTER MESSAGE TYPE ... VALIDATION."""
-    checked = _enum(Validation, validation, "validation")
+    checked = _enum(models.Validation, validation, "validation")
     if session.count("message_type_set_validation", name=name, validation=checked.value) == 0:
         raise exceptions.MessageTypeNotFound(f"message type {name!r} does not exist")
 
 
-def drop_message_type(session: Session, name: str) -> None:
+def drop_message_type(session: sessions.Session, name: str) -> None:
     """DROP MESSAGE TYPE."""
     if not session.one("message_type_get", name=name):
         raise exceptions.MessageTypeNotFound(f"message type {name!r} does not exist")
@@ -72,15 +68,17 @@ def drop_message_type(session: Session, name: str) -> None:
     session.execute("message_type_delete", name=name)
 
 
-def message_types(session: Session) -> dict[str, Validation]:
+def message_types(session: sessions.Session) -> dict[str, models.Validation]:
     """Every message type with its validation (``sys.service_message_types``)."""
     return {
-        r["message_type_name"]: Validation(r["validation"])
+        r["message_type_name"]: models.Validation(r["validation"])
         for r in session.all("message_type_list")
     }
 
 
-def create_contract(session: Session, name: str, message_types: Mapping[str, SentBy | str]) -> None:
+def create_contract(
+    session: sessions.Session, name: str, message_types: Mapping[str, models.SentBy | str]
+) -> None:
     """CREATE CONTRACT."""
     name = checks.name(name, "contract name")
     if not isinstance(message_types, Mapping):
@@ -91,13 +89,13 @@ def create_contract(session: Session, name: str, message_types: Mapping[str, Sen
     if not message_types:
         raise exceptions.InvalidArgument(f"contract {name!r} needs at least one message type")
     checked = {
-        checks.name(mt, "message type name"): _enum(SentBy, by, f"sent_by of {mt!r}")
+        checks.name(mt, "message type name"): _enum(models.SentBy, by, f"sent_by of {mt!r}")
         for mt, by in message_types.items()
     }
     if session.one("contract_exists", name=name):
         raise exceptions.AlreadyExists(f"contract {name!r} already exists")
     for mt in checked:
-        if mt in SYSTEM_MESSAGE_TYPES:
+        if mt in models.SYSTEM_MESSAGE_TYPES:
             raise exceptions.InvalidArgument(
                 f"system message type {mt!r} cannot be listed in a contract"
             )
@@ -112,17 +110,17 @@ def create_contract(session: Session, name: str, message_types: Mapping[str, Sen
         )
 
 
-def contract(session: Session, name: str) -> dict[str, SentBy]:
+def contract(session: sessions.Session, name: str) -> dict[str, models.SentBy]:
     """A contract's message types and who sends each."""
     if not session.one("contract_exists", name=name):
         raise exceptions.ContractNotFound(f"contract {name!r} does not exist")
     return {
-        r["message_type_name"]: SentBy(r["sent_by"])
+        r["message_type_name"]: models.SentBy(r["sent_by"])
         for r in session.all("contract_message_types", name=name)
     }
 
 
-def drop_contract(session: Session, name: str) -> None:
+def drop_contract(session: sessions.Session, name: str) -> None:
     """DROP CONTRACT."""
     if not session.one("contract_exists", name=name):
         raise exceptions.ContractNotFound(f"contract {name!r} does not exist")
@@ -137,7 +135,7 @@ def drop_contract(session: Session, name: str) -> None:
 
 
 def create_queue(
-    session: Session,
+    session: sessions.Session,
     name: str,
     *,
     status: bool = True,
@@ -172,7 +170,7 @@ def create_queue(
 
 
 def alter_queue(
-    session: Session,
+    session: sessions.Session,
     name: str,
     *,
     status: bool = UNSET,
@@ -185,7 +183,7 @@ def alter_queue(
     receive_aging: float | None = UNSET,
     fair_share: float | None = UNSET,
     eager_activation: bool = UNSET,
-) -> QueueInfo:
+) -> models.QueueInfo:
     """ALTER QUEUE: change the given settings, keep the others."""
     current = endpoints.queue(session, name)
     changes = {
@@ -235,17 +233,17 @@ def alter_queue(
     return endpoints.queue(session, name)
 
 
-def queue(session: Session, name: str) -> QueueInfo:
+def queue(session: sessions.Session, name: str) -> models.QueueInfo:
     """A queue's settings."""
     return endpoints.queue(session, name)
 
 
-def queues(session: Session) -> list[QueueInfo]:
+def queues(session: sessions.Session) -> list[models.QueueInfo]:
     """Every queue (``sys.service_queues``)."""
-    return [QueueInfo.from_row(r) for r in session.all("queue_list")]
+    return [models.QueueInfo.from_row(r) for r in session.all("queue_list")]
 
 
-def drop_queue(session: Session, name: str) -> None:
+def drop_queue(session: sessions.Session, name: str) -> None:
     """DROP QUEUE."""
     endpoints.queue(session, name)
     services = [r["service_name"] for r in session.all("queue_services", name=name)]
@@ -257,7 +255,7 @@ def drop_queue(session: Session, name: str) -> None:
 
 
 def create_service(
-    session: Session, name: str, queue: str, contracts: list[str] | tuple[str, ...] = ()
+    session: sessions.Session, name: str, queue: str, contracts: list[str] | tuple[str, ...] = ()
 ) -> None:
     """CREATE SERVICE ... ON QUEUE ... (contracts)."""
     name = checks.name(name, "service name")
@@ -275,7 +273,7 @@ def create_service(
 
 
 def alter_service(
-    session: Session,
+    session: sessions.Session,
     name: str,
     *,
     queue: str | None = None,
@@ -310,19 +308,19 @@ def alter_service(
         session.execute("service_contract_delete", name=name, contract=contract)
 
 
-def service(session: Session, name: str) -> dict[str, Any]:
+def service(session: sessions.Session, name: str) -> dict[str, Any]:
     """A service: its queue and the contracts it accepts."""
     row = endpoints.service(session, name)
     contracts = [r["contract_name"] for r in session.all("service_contracts", name=name)]
     return {"service_name": name, "queue_name": row["queue_name"], "contracts": contracts}
 
 
-def services(session: Session) -> list[Mapping[str, Any]]:
+def services(session: sessions.Session) -> list[Mapping[str, Any]]:
     """Every service with its queue."""
     return session.all("service_list")
 
 
-def drop_service(session: Session, name: str) -> None:
+def drop_service(session: sessions.Session, name: str) -> None:
     """DROP SERVICE."""
     endpoints.service(session, name)
     if session.scalar("service_endpoint_count", name=name):
@@ -331,7 +329,11 @@ def drop_service(session: Session, name: str) -> None:
 
 
 def create_event_notification(
-    session: Session, name: str, queue: str, to_service: str, event_type: str = "QUEUE_ACTIVATION"
+    session: sessions.Session,
+    name: str,
+    queue: str,
+    to_service: str,
+    event_type: str = "QUEUE_ACTIVATION",
 ) -> None:
     """CREATE EVENT NOTIFICATION name ON QUEUE queue FOR event_type TO SERVICE to_service."""
     name = checks.name(name, "event notification name")
@@ -361,7 +363,7 @@ def create_event_notification(
     session.catalog_changed()
 
 
-def drop_event_notification(session: Session, name: str) -> None:
+def drop_event_notification(session: sessions.Session, name: str) -> None:
     """DROP EVENT NOTIFICATION."""
     if not session.one("event_notification_get", name=name):
         raise exceptions.NotFound(f"event notification {name!r} does not exist")
@@ -369,28 +371,28 @@ def drop_event_notification(session: Session, name: str) -> None:
     session.catalog_changed()
 
 
-def event_notifications(session: Session) -> list[Mapping[str, Any]]:
+def event_notifications(session: sessions.Session) -> list[Mapping[str, Any]]:
     """Every event notification."""
     return session.all("event_notification_list")
 
 
-def activated_tasks(session: Session) -> list[Mapping[str, Any]]:
+def activated_tasks(session: sessions.Session) -> list[Mapping[str, Any]]:
     """Readers running now (``sys.dm_broker_activated_tasks``)."""
     return session.all("task_list")
 
 
-def queue_monitors(session: Session) -> list[Mapping[str, Any]]:
+def queue_monitors(session: sessions.Session) -> list[Mapping[str, Any]]:
     """Queue monitors (``sys.dm_broker_queue_monitors``)."""
     return session.all("monitor_list")
 
 
 def create_priority(
-    session: Session,
+    session: sessions.Session,
     name: str,
     *,
-    contract: str | None = ANY,
-    local_service: str | None = ANY,
-    remote_service: str | None = ANY,
+    contract: str | None = models.ANY,
+    local_service: str | None = models.ANY,
+    remote_service: str | None = models.ANY,
     level: int = DEFAULT_PRIORITY_LEVEL,
 ) -> None:
     """CREATE BROKER PRIORITY."""
@@ -402,14 +404,14 @@ def create_priority(
 
 
 def alter_priority(
-    session: Session,
+    session: sessions.Session,
     name: str,
     *,
     contract: str | None = UNSET,
     local_service: str | None = UNSET,
     remote_service: str | None = UNSET,
     level: int = UNSET,
-) -> ConversationPriority:
+) -> models.ConversationPriority:
     """ALTER BROKER PRIORITY: change what is given (``None`` sets ``ANY``)."""
     current = _priority(session, name)
     fields = _priority_fields(
@@ -424,30 +426,30 @@ def alter_priority(
     return _priority(session, name)
 
 
-def drop_priority(session: Session, name: str) -> None:
+def drop_priority(session: sessions.Session, name: str) -> None:
     """DROP BROKER PRIORITY (existing endpoints keep their level)."""
     _priority(session, name)
     session.execute("priority_delete", name=name)
 
 
-def conversation_priorities(session: Session) -> list[ConversationPriority]:
+def conversation_priorities(session: sessions.Session) -> list[models.ConversationPriority]:
     """Every priority (``sys.conversation_priorities``)."""
-    return [ConversationPriority.from_row(r) for r in session.all("priority_list")]
+    return [models.ConversationPriority.from_row(r) for r in session.all("priority_list")]
 
 
-def set_honor_broker_priority(session: Session, honor: bool) -> None:
+def set_honor_broker_priority(session: sessions.Session, honor: bool) -> None:
     """ALTER DATABASE ... SET HONOR_BROKER_PRIORITY."""
     if not isinstance(honor, bool):
         raise exceptions.InvalidArgument(f"honor must be True or False, got {honor!r}")
     session.execute("setting_set", name="honor_broker_priority", value="true" if honor else "false")
 
 
-def honor_broker_priority(session: Session) -> bool:
+def honor_broker_priority(session: sessions.Session) -> bool:
     """Whether the transmission queue honours priority levels."""
     return session.scalar("setting_get", name="honor_broker_priority") == "true"
 
 
-def _ensure_event_catalog(session: Session) -> None:
+def _ensure_event_catalog(session: sessions.Session) -> None:
     """The broker's own initiator service for event dialogs, made on first use:
     ``EventNotificationService`` on ``EventNotificationQueue`` (the ``EventNotification``
     message type and ``PostEventNotification`` contract exist in every broker)."""
@@ -474,15 +476,15 @@ def _ensure_event_catalog(session: Session) -> None:
         session.execute("service_insert", name=EVENT_SERVICE, queue=EVENT_QUEUE, now=now)
 
 
-def _priority(session: Session, name: str) -> ConversationPriority:
+def _priority(session: sessions.Session, name: str) -> models.ConversationPriority:
     row = session.one("priority_get", name=name)
     if row is None:
         raise exceptions.NotFound(f"priority {name!r} does not exist")
-    return ConversationPriority.from_row(row)
+    return models.ConversationPriority.from_row(row)
 
 
 def _priority_fields(
-    session: Session,
+    session: sessions.Session,
     name: str,
     contract: str | None,
     local_service: str | None,

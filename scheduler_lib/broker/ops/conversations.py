@@ -12,27 +12,17 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from scheduler_lib.broker import exceptions
+from scheduler_lib.broker import exceptions, models
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.models import (
-    DEFAULT,
-    END_DIALOG,
-    ERROR,
-    ERROR_SEQUENCE,
-    SYSTEM_MESSAGE_TYPES,
-    ConversationEndpoint,
-    EndpointState,
-    Message,
-)
+from scheduler_lib.broker.db import session as sessions
 from scheduler_lib.broker.ops import endpoints, receiving, routes, sending
 
 
 def begin_dialog(
-    session: Session,
+    session: sessions.Session,
     from_service: str,
     to_service: str,
-    contract: str = DEFAULT,
+    contract: str = models.DEFAULT,
     *,
     lifetime: float | None = None,
     related_conversation: uuid.UUID | str | None = None,
@@ -95,7 +85,7 @@ def begin_dialog(
         contract=contract,
         queue=queue,
         group_id=group_id,
-        state=EndpointState.STARTED_OUTBOUND.value,
+        state=models.EndpointState.STARTED_OUTBOUND.value,
         lifetime_expires_at=None if lifetime is None else now + lifetime,
         now=now,
         is_remote=is_remote,
@@ -105,7 +95,7 @@ def begin_dialog(
 
 
 def send_many(
-    session: Session,
+    session: sessions.Session,
     conversation_handle: uuid.UUID | str,
     message_type: str,
     bodies: Sequence[checks.Body],
@@ -115,7 +105,7 @@ def send_many(
     """SEND several messages of one type on one conversation, in order and atomically."""
     handle = checks.handle(conversation_handle)
     message_type = checks.name(message_type, "message type")
-    if message_type in SYSTEM_MESSAGE_TYPES:
+    if message_type in models.SYSTEM_MESSAGE_TYPES:
         raise exceptions.InvalidArgument(f"{message_type!r} is a system message type")
     if isinstance(bodies, str | bytes) or not isinstance(bodies, Sequence):
         raise exceptions.InvalidArgument(f"bodies must be a list, got {type(bodies).__name__}")
@@ -142,7 +132,7 @@ def send_many(
 
 
 def get_conversation_group(
-    session: Session, queue: str, timeout: float | None = None
+    session: sessions.Session, queue: str, timeout: float | None = None
 ) -> uuid.UUID | None:
     """WAITFOR (GET CONVERSATION GROUP ... FROM queue)."""
     wait = checks.timeout(timeout)
@@ -152,7 +142,7 @@ def get_conversation_group(
 
 
 def move_conversation(
-    session: Session, conversation_handle: uuid.UUID | str, group: uuid.UUID | str
+    session: sessions.Session, conversation_handle: uuid.UUID | str, group: uuid.UUID | str
 ) -> None:
     """MOVE CONVERSATION ... TO group (within the endpoint's queue)."""
     handle = checks.handle(conversation_handle)
@@ -189,7 +179,7 @@ def move_conversation(
 
 
 def end_conversation(
-    session: Session,
+    session: sessions.Session,
     conversation_handle: uuid.UUID | str,
     error: int | None = None,
     description: str | None = None,
@@ -211,7 +201,7 @@ def end_conversation(
         endpoints.close(session, endpoint, cleanup=True)
         return
     state = endpoint.state
-    if state in (EndpointState.DISCONNECTED_OUTBOUND, EndpointState.CLOSED):
+    if state in (models.EndpointState.DISCONNECTED_OUTBOUND, models.EndpointState.CLOSED):
         raise endpoints.state_error(endpoint, "end")
     # END cancels the endpoint's conversation timer: an ended conversation can
     # receive nothing more, so no DialogTimer may arrive for it (an endpoint
@@ -220,38 +210,41 @@ def end_conversation(
     if endpoint.is_remote:
         sending.end_remote(session, endpoint, error, description)
         return
-    if state in (EndpointState.DISCONNECTED_INBOUND, EndpointState.ERROR) or far is None:
+    if (
+        state in (models.EndpointState.DISCONNECTED_INBOUND, models.EndpointState.ERROR)
+        or far is None
+    ):
         # The far side already ended (or never existed): we are the last to leave.
         endpoints.close(session, endpoint)
-        if far is not None and far.state is EndpointState.DISCONNECTED_OUTBOUND:
+        if far is not None and far.state is models.EndpointState.DISCONNECTED_OUTBOUND:
             endpoints.close(session, far)
         return
     session.execute("messages_delete_conversation", handle=handle)
     session.execute("transmission_delete_conversation", handle=handle)
-    if far.state is EndpointState.DISCONNECTED_OUTBOUND:
+    if far.state is models.EndpointState.DISCONNECTED_OUTBOUND:
         endpoints.close(session, far)
         endpoints.close(session, endpoint)
         return
     seq = session.scalar("endpoint_take_system_sequence", handle=handle)
     if error is None:
-        sending.enqueue_at(session, far, int(seq), END_DIALOG, None)
-        far_state = EndpointState.DISCONNECTED_INBOUND
+        sending.enqueue_at(session, far, int(seq), models.END_DIALOG, None)
+        far_state = models.EndpointState.DISCONNECTED_INBOUND
     else:
         body = json.dumps({"code": error, "description": description}).encode()
         # Received before the far side's messages still queued, as SQL Server
         # receives an Error (they stay receivable after it): see ERROR_SEQUENCE.
-        sending.enqueue_at(session, far, ERROR_SEQUENCE, ERROR, body)
-        far_state = EndpointState.ERROR
+        sending.enqueue_at(session, far, models.ERROR_SEQUENCE, models.ERROR, body)
+        far_state = models.EndpointState.ERROR
     session.execute(
         "endpoint_set_state", handle=str(far.conversation_handle), state=far_state.value
     )
     session.execute(
-        "endpoint_set_state", handle=handle, state=EndpointState.DISCONNECTED_OUTBOUND.value
+        "endpoint_set_state", handle=handle, state=models.EndpointState.DISCONNECTED_OUTBOUND.value
     )
 
 
 def begin_conversation_timer(
-    session: Session, conversation_handle: uuid.UUID | str, timeout: float
+    session: sessions.Session, conversation_handle: uuid.UUID | str, timeout: float
 ) -> None:
     """BEGIN CONVERSATION TIMER (a new call replaces the endpoint's timer)."""
     handle = checks.handle(conversation_handle)
@@ -259,7 +252,7 @@ def begin_conversation_timer(
     if seconds is None:
         raise exceptions.InvalidArgument("a conversation timer needs a timeout in seconds")
     endpoint = endpoints.endpoint(session, handle)
-    if endpoint.state in (EndpointState.CLOSED, EndpointState.DISCONNECTED_OUTBOUND):
+    if endpoint.state in (models.EndpointState.CLOSED, models.EndpointState.DISCONNECTED_OUTBOUND):
         raise endpoints.state_error(endpoint, "set a timer on")
     due = time.time() + seconds
     session.execute("endpoint_set_timer", handle=handle, due=due)
@@ -268,25 +261,25 @@ def begin_conversation_timer(
 
 
 def conversation_endpoint(
-    session: Session, conversation_handle: uuid.UUID | str
-) -> ConversationEndpoint:
+    session: sessions.Session, conversation_handle: uuid.UUID | str
+) -> models.ConversationEndpoint:
     """One endpoint (a row of ``sys.conversation_endpoints``)."""
     handle = checks.handle(conversation_handle)
     return endpoints.endpoint(session, handle)
 
 
-def conversation_endpoints(session: Session) -> list[ConversationEndpoint]:
+def conversation_endpoints(session: sessions.Session) -> list[models.ConversationEndpoint]:
     """Every endpoint (``sys.conversation_endpoints``)."""
-    return [ConversationEndpoint.from_row(r) for r in session.all("endpoint_list")]
+    return [models.ConversationEndpoint.from_row(r) for r in session.all("endpoint_list")]
 
 
-def peek(session: Session, queue: str) -> list[Message]:
+def peek(session: sessions.Session, queue: str) -> list[models.Message]:
     """The queue's rows without receiving them (``SELECT * FROM queue``)."""
     endpoints.queue(session, queue)
-    return [Message.from_row(r) for r in session.all("queue_peek", name=queue)]
+    return [models.Message.from_row(r) for r in session.all("queue_peek", name=queue)]
 
 
-def transmission_queue(session: Session) -> list[Mapping[str, Any]]:
+def transmission_queue(session: sessions.Session) -> list[Mapping[str, Any]]:
     """Messages waiting to be delivered (``sys.transmission_queue``)."""
     return session.all("transmission_list")
 
@@ -296,8 +289,8 @@ class _LockAgain(Exception):
 
 
 def lock_for_end(
-    session: Session, handle: str, *, cleanup: bool = False
-) -> tuple[ConversationEndpoint, ConversationEndpoint | None]:
+    session: sessions.Session, handle: str, *, cleanup: bool = False
+) -> tuple[models.ConversationEndpoint, models.ConversationEndpoint | None]:
     """Take END CONVERSATION's locks in the documented order and return the endpoint and
     its local far endpoint as read under them: the groups first — the endpoint's and, when
     END will close the far endpoint (it already ended), the far one's — in group id order,
@@ -328,9 +321,9 @@ def lock_for_end(
 
 
 def _groups_to_lock(
-    endpoint: ConversationEndpoint, far: ConversationEndpoint | None, cleanup: bool
+    endpoint: models.ConversationEndpoint, far: models.ConversationEndpoint | None, cleanup: bool
 ) -> set[str]:
     groups = {str(endpoint.conversation_group_id)}
-    if not cleanup and far is not None and far.state is EndpointState.DISCONNECTED_OUTBOUND:
+    if not cleanup and far is not None and far.state is models.EndpointState.DISCONNECTED_OUTBOUND:
         groups.add(str(far.conversation_group_id))
     return groups

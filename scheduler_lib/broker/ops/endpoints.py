@@ -8,53 +8,52 @@ import time
 import uuid
 from typing import Literal, overload
 
-from scheduler_lib.broker import exceptions
-from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.db.store import Row
-from scheduler_lib.broker.models import ConversationEndpoint, EndpointState, QueueInfo
+from scheduler_lib.broker import exceptions, models
+from scheduler_lib.broker.db import session as sessions
+from scheduler_lib.broker.db import store
 
 # An endpoint in these states may SEND; so must the far side it sends to.
 SENDABLE_STATES = frozenset({"SO", "SI", "CO"})
 
 
-def queue(session: Session, name: str) -> QueueInfo:
+def queue(session: sessions.Session, name: str) -> models.QueueInfo:
     row = session.one("queue_get", name=name)
     if row is None:
         raise exceptions.QueueNotFound(f"queue {name!r} does not exist")
-    return QueueInfo.from_row(row)
+    return models.QueueInfo.from_row(row)
 
 
-def service(session: Session, name: str) -> Row:
+def service(session: sessions.Session, name: str) -> store.Row:
     row = session.one("service_get", name=name)
     if row is None:
         raise exceptions.ServiceNotFound(f"service {name!r} does not exist")
     return row
 
 
-def endpoint(session: Session, handle: str) -> ConversationEndpoint:
+def endpoint(session: sessions.Session, handle: str) -> models.ConversationEndpoint:
     row = session.one("endpoint_get", handle=handle)
     if row is None:
         raise exceptions.ConversationNotFound(
             f"conversation handle {handle} does not exist (never began, or already closed)"
         )
-    return ConversationEndpoint.from_row(row)
+    return models.ConversationEndpoint.from_row(row)
 
 
 @overload
 def far(
-    session: Session, near: ConversationEndpoint, *, create: Literal[True]
-) -> ConversationEndpoint: ...
+    session: sessions.Session, near: models.ConversationEndpoint, *, create: Literal[True]
+) -> models.ConversationEndpoint: ...
 
 
 @overload
 def far(
-    session: Session, near: ConversationEndpoint, *, create: bool
-) -> ConversationEndpoint | None: ...
+    session: sessions.Session, near: models.ConversationEndpoint, *, create: bool
+) -> models.ConversationEndpoint | None: ...
 
 
 def far(
-    session: Session, near: ConversationEndpoint, *, create: bool
-) -> ConversationEndpoint | None:
+    session: sessions.Session, near: models.ConversationEndpoint, *, create: bool
+) -> models.ConversationEndpoint | None:
     """The other side's endpoint; with ``create`` (a SEND), the target's made with the
     conversation's first message.
 
@@ -67,7 +66,7 @@ def far(
         is_initiator=near.is_initiator,
     )
     if row is not None:
-        return ConversationEndpoint.from_row(row)
+        return models.ConversationEndpoint.from_row(row)
     if not create:
         return None
     if not near.is_initiator or near.send_sequence > 0:
@@ -90,7 +89,7 @@ def far(
 
 
 def create_target(
-    session: Session,
+    session: sessions.Session,
     *,
     conversation_id: str,
     service_name: str,
@@ -98,7 +97,7 @@ def create_target(
     contract: str,
     lifetime_expires_at: float | None,
     is_remote: bool,
-) -> ConversationEndpoint:
+) -> models.ConversationEndpoint:
     """A conversation's target endpoint, in a new group of its service's queue (its
     initiator is here, or on another broker when ``is_remote``)."""
     target = service(session, service_name)
@@ -115,7 +114,7 @@ def create_target(
         contract=contract,
         queue=target["queue_name"],
         group_id=group_id,
-        state=EndpointState.STARTED_INBOUND.value,
+        state=models.EndpointState.STARTED_INBOUND.value,
         lifetime_expires_at=lifetime_expires_at,
         now=now,
         is_remote=is_remote,
@@ -124,7 +123,9 @@ def create_target(
     return endpoint(session, handle)
 
 
-def close(session: Session, closing: ConversationEndpoint, *, cleanup: bool = False) -> None:
+def close(
+    session: sessions.Session, closing: models.ConversationEndpoint, *, cleanup: bool = False
+) -> None:
     """Remove an endpoint, its messages and, once empty, its group. A remote
     conversation's endpoint stays as a tombstone (state ``CD``) for a while: late
     copies of its messages must be recognised, not open a new conversation; and its
@@ -151,13 +152,14 @@ def close(session: Session, closing: ConversationEndpoint, *, cleanup: bool = Fa
     session.execute("group_delete_if_empty", group_id=str(closing.conversation_group_id))
 
 
-def state_error(of: ConversationEndpoint, action: str) -> exceptions.ConversationStateError:
+def state_error(of: models.ConversationEndpoint, action: str) -> exceptions.ConversationStateError:
     """Why ``action`` cannot be done on endpoint ``of`` in its state."""
+    state = models.EndpointState
     reasons = {
-        EndpointState.DISCONNECTED_INBOUND: "the far side ended it; end it here too",
-        EndpointState.DISCONNECTED_OUTBOUND: "this side already ended it",
-        EndpointState.ERROR: "it is in error (an Error message arrived or its lifetime expired)",
-        EndpointState.CLOSED: "it is closed",
+        state.DISCONNECTED_INBOUND: "the far side ended it; end it here too",
+        state.DISCONNECTED_OUTBOUND: "this side already ended it",
+        state.ERROR: "it is in error (an Error message arrived or its lifetime expired)",
+        state.CLOSED: "it is closed",
     }
     reason = reasons.get(of.state, f"its state is {of.state.name}")
     return exceptions.ConversationStateError(

@@ -13,31 +13,24 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from scheduler_lib.broker import exceptions, models
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.exceptions import BrokerError
-from scheduler_lib.broker.models import ConversationEndpoint, EndpointState
-from scheduler_lib.broker.ops import conversations, sending
-from scheduler_lib.broker.ops.catalog import (
-    EVENT_CONTRACT,
-    EVENT_MESSAGE_TYPE,
-    EVENT_SERVICE,
-    EVENT_TYPES,
-)
+from scheduler_lib.broker.db import session as sessions
+from scheduler_lib.broker.ops import catalog, conversations, sending
 
 QUEUE_ACTIVATION = "QUEUE_ACTIVATION"
 BROKER_QUEUE_DISABLED = "BROKER_QUEUE_DISABLED"
 POISON_MESSAGE = "POISON_MESSAGE"
 SENDABLE = (
-    EndpointState.STARTED_OUTBOUND,
-    EndpointState.STARTED_INBOUND,
-    EndpointState.CONVERSING,
+    models.EndpointState.STARTED_OUTBOUND,
+    models.EndpointState.STARTED_INBOUND,
+    models.EndpointState.CONVERSING,
 )
-assert set(EVENT_TYPES) == {QUEUE_ACTIVATION, BROKER_QUEUE_DISABLED, POISON_MESSAGE}
+assert set(catalog.EVENT_TYPES) == {QUEUE_ACTIVATION, BROKER_QUEUE_DISABLED, POISON_MESSAGE}
 
 
 def post(
-    session: Session,
+    session: sessions.Session,
     queue: str,
     event_type: str,
     fields: Mapping[str, Any] | None = None,
@@ -64,15 +57,18 @@ def post(
     for subscriber in subscribers:
         handle = subscriber["conversation_handle"]
         row = None if handle is None else session.one("endpoint_get", handle=handle)
-        if row is not None and ConversationEndpoint.from_row(row).state not in SENDABLE:
+        if row is not None and models.ConversationEndpoint.from_row(row).state not in SENDABLE:
             # The subscriber ended the dialog (or it failed): leave it and open a new one.
-            with contextlib.suppress(BrokerError):
+            with contextlib.suppress(exceptions.BrokerError):
                 conversations.end_conversation(session, handle)
             row = None
         if row is None:
             handle = str(
                 conversations.begin_dialog(
-                    session, EVENT_SERVICE, subscriber["to_service_name"], EVENT_CONTRACT
+                    session,
+                    catalog.EVENT_SERVICE,
+                    subscriber["to_service_name"],
+                    catalog.EVENT_CONTRACT,
                 )
             )
             session.execute(
@@ -80,5 +76,5 @@ def post(
                 name=subscriber["notification_name"],
                 handle=handle,
             )
-        sending.send(session, handle, EVENT_MESSAGE_TYPE, data)
+        sending.send(session, handle, catalog.EVENT_MESSAGE_TYPE, data)
     return len(subscribers)

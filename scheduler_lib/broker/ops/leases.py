@@ -17,10 +17,9 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from scheduler_lib.broker import counters, exceptions
-from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.db.waiting import Waiting
-from scheduler_lib.broker.models import MESSAGE_COLUMNS, ConversationEndpoint, Message, QueueInfo
+from scheduler_lib.broker import counters, exceptions, models
+from scheduler_lib.broker.db import session as sessions
+from scheduler_lib.broker.db import waiting as waiting_mod
 from scheduler_lib.broker.ops import poison, receiving
 
 log = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ class Lease:
     runs; complete it in the transaction that answers."""
 
     lease_id: str
-    message: Message
+    message: models.Message
     worker: str
     duration: float
     expires_at: float
@@ -60,7 +59,7 @@ class NeedsCheckedTake(Exception):
 
 
 def take(
-    session: Session,
+    session: sessions.Session,
     queue: str,
     top: int,
     timeout: float | None,
@@ -100,7 +99,7 @@ def take(
     return leases
 
 
-def renew(session: Session, lease: Lease) -> float:
+def renew(session: sessions.Session, lease: Lease) -> float:
     """The lease lasts another ``lease.duration`` seconds from now: the new expiry."""
     now = time.time()
     if not session.count(
@@ -111,14 +110,14 @@ def renew(session: Session, lease: Lease) -> float:
     return now + lease.duration
 
 
-def complete(session: Session, lease: Lease) -> None:
+def complete(session: sessions.Session, lease: Lease) -> None:
     """End the lease: the work is done."""
     if not session.count("lease_delete", lease_id=lease.lease_id):
         raise lost_error(lease)
     session.mark_written()
 
 
-def abandon(session: Session, lease: Lease, error: BaseException | str | None) -> str:
+def abandon(session: sessions.Session, lease: Lease, error: BaseException | str | None) -> str:
     """Give the message back as failed: ``"requeued"`` or ``"routed"``."""
     row = session.one("lease_get", lease_id=lease.lease_id)
     if row is None:
@@ -126,12 +125,12 @@ def abandon(session: Session, lease: Lease, error: BaseException | str | None) -
     return poison.fail_leased(session, row, "FAILED", poison.error_text(error))
 
 
-def holds(session: Session, lease: Lease) -> bool:
+def holds(session: sessions.Session, lease: Lease) -> bool:
     """Whether the lease still exists."""
     return session.one("lease_get", lease_id=lease.lease_id) is not None
 
 
-def release(session: Session, lease: Lease) -> None:
+def release(session: sessions.Session, lease: Lease) -> None:
     """Give the message back untouched (nothing counted)."""
     row = session.one("lease_get", lease_id=lease.lease_id)
     if row is None:
@@ -139,10 +138,12 @@ def release(session: Session, lease: Lease) -> None:
     session.execute("lease_delete", lease_id=lease.lease_id)
     endpoint = session.one("endpoint_get", handle=row["conversation_handle"])
     if endpoint is not None:
-        poison.requeue(session, poison.message_of(row), ConversationEndpoint.from_row(endpoint))
+        poison.requeue(
+            session, poison.message_of(row), models.ConversationEndpoint.from_row(endpoint)
+        )
 
 
-def listed(session: Session, queue: str | None) -> list[Mapping[str, Any]]:
+def listed(session: sessions.Session, queue: str | None) -> list[Mapping[str, Any]]:
     """Leases held now, oldest first (message bodies left out)."""
     return [
         {k: v for k, v in r.items() if k != "message_body"}
@@ -153,7 +154,7 @@ def listed(session: Session, queue: str | None) -> list[Mapping[str, Any]]:
 def lease_from_row(row: Sequence[Any], worker: str, duration: float, taken_at: float) -> Lease:
     """A lease from ``take_fast``'s row: the lease id, then the message's columns."""
     lease_id, *message = row
-    columns = dict(zip(MESSAGE_COLUMNS[:-1], message, strict=True))
+    columns = dict(zip(models.MESSAGE_COLUMNS[:-1], message, strict=True))
     taken = poison.message_of(columns)
     return Lease(str(lease_id), taken, worker, duration, taken_at + duration, taken_at)
 
@@ -166,7 +167,9 @@ def lost_error(lease: Lease) -> exceptions.LeaseLost:
     )
 
 
-def expire_leases(session: Session, now: float, recovered_at: float = 0.0, limit: int = 100) -> int:
+def expire_leases(
+    session: sessions.Session, now: float, recovered_at: float = 0.0, limit: int = 100
+) -> int:
     """Leases whose heartbeat ran out are silent failures — once their worker had a whole
     lease to renew them since the database came back (``recovered_at``, epoch seconds)."""
     expired = 0
@@ -187,7 +190,7 @@ def expire_leases(session: Session, now: float, recovered_at: float = 0.0, limit
 
 
 def take_fast(
-    session: Session,
+    session: sessions.Session,
     queue: str,
     top: int,
     duration: float,
@@ -217,7 +220,7 @@ def take_fast(
 
 
 def found_again(
-    session: Session, queue: str, holder: str, duration: float, now: float
+    session: sessions.Session, queue: str, holder: str, duration: float, now: float
 ) -> list[Lease]:
     """The leases a :func:`take_fast` of ``holder`` at ``now`` made, when its reply was
     lost (else they would expire, and count as a lost worker's)."""
@@ -226,7 +229,7 @@ def found_again(
 
 
 def _taken(
-    session: Session,
+    session: sessions.Session,
     queue: str,
     rows: Sequence[Sequence[Any]],
     holder: str,
@@ -242,11 +245,11 @@ def _taken(
 
 
 def take_waiting(
-    waiting: Waiting,
+    waiting: waiting_mod.Waiting,
     queue: str,
     timeout: float | None,
     look: Callable[[], list[Lease]],
-    settings: Callable[[], QueueInfo],
+    settings: Callable[[], models.QueueInfo],
 ) -> list[Lease] | None:
     """:func:`take_fast` with WAITFOR: ``look`` (one take, a transaction of its own) until
     it gets leases or ``timeout`` passes, in RECEIVE's wait, in turns with this process's

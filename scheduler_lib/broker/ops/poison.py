@@ -17,15 +17,9 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from scheduler_lib.broker import counters, exceptions
+from scheduler_lib.broker import counters, exceptions, models
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.models import (
-    ConversationEndpoint,
-    EndpointState,
-    Message,
-    MessageStatus,
-)
+from scheduler_lib.broker.db import session as sessions
 from scheduler_lib.broker.ops import conversations, endpoints, events, sending
 
 log = logging.getLogger("scheduler_lib.broker.poison")
@@ -37,10 +31,10 @@ ERROR_TEXT_LIMIT = 4000  # characters of an error kept per failure
 # Endpoint states in which this side still reads its messages (not ended here, not failed).
 REPLAYABLE_STATES = frozenset(
     {
-        EndpointState.STARTED_OUTBOUND,
-        EndpointState.STARTED_INBOUND,
-        EndpointState.CONVERSING,
-        EndpointState.DISCONNECTED_INBOUND,
+        models.EndpointState.STARTED_OUTBOUND,
+        models.EndpointState.STARTED_INBOUND,
+        models.EndpointState.CONVERSING,
+        models.EndpointState.DISCONNECTED_INBOUND,
     }
 )
 
@@ -210,7 +204,7 @@ class PoisonEvent:
     (e.g. a failure result to the caller)."""
 
     tx: Any
-    message: Message
+    message: models.Message
     failures: int
     cycles: int
     last_error: str | None
@@ -224,7 +218,7 @@ class PoisonMessage:
 
     poison_id: int
     state: str
-    message: Message
+    message: models.Message
     failures: int
     cycles: int
     last_error: str | None
@@ -252,8 +246,8 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
 
 
-def message_of(row: Mapping[str, Any]) -> Message:
-    return Message.from_row({**row, "status": row.get("status", MessageStatus.READY)})
+def message_of(row: Mapping[str, Any]) -> models.Message:
+    return models.Message.from_row({**row, "status": row.get("status", models.MessageStatus.READY)})
 
 
 def error_text(error: BaseException | str | None) -> str | None:
@@ -276,7 +270,7 @@ def _ids(poison_ids: Iterable[int]) -> list[int]:
 # --- operations ------------------------------------------------------------------------
 
 
-def set_poison_policy(session: Session, queue: str, policy: PoisonPolicy | None) -> None:
+def set_poison_policy(session: sessions.Session, queue: str, policy: PoisonPolicy | None) -> None:
     """Store the queue's poison policy (``None``: back to the default); every process"""
     if policy is not None and not isinstance(policy, PoisonPolicy):
         raise exceptions.InvalidArgument(f"expected a PoisonPolicy or None, got {policy!r}")
@@ -296,15 +290,15 @@ def set_poison_policy(session: Session, queue: str, policy: PoisonPolicy | None)
         )
 
 
-def poison_policy(session: Session, queue: str) -> PoisonPolicy:
+def poison_policy(session: sessions.Session, queue: str) -> PoisonPolicy:
     """The queue's poison policy (the default when none is stored)."""
     endpoints.queue(session, queue)
     return policy_for(session, queue)
 
 
 def record_failure(
-    session: Session,
-    message: Message,
+    session: sessions.Session,
+    message: models.Message,
     error: BaseException | str | None = None,
     *,
     worker: str | None = None,
@@ -314,12 +308,12 @@ def record_failure(
     return history(session, message)
 
 
-def failure_history(session: Session, message: Message) -> History:
+def failure_history(session: sessions.Session, message: models.Message) -> History:
     """How often ``message`` failed since it last came back from the holding queue."""
     return history(session, message)
 
 
-def forget_failures(session: Session, message: Message) -> int:
+def forget_failures(session: sessions.Session, message: models.Message) -> int:
     """Delete ``message``'s failure records (a hand-written loop calls it once the"""
     return session.count(
         "poison_history_delete",
@@ -329,7 +323,7 @@ def forget_failures(session: Session, message: Message) -> int:
 
 
 def poison_incidents(
-    session: Session, conversation_handle: uuid.UUID | str, message_sequence_number: int
+    session: sessions.Session, conversation_handle: uuid.UUID | str, message_sequence_number: int
 ) -> list[Mapping[str, Any]]:
     """Every failure and parking recorded for one message, oldest first."""
     handle = checks.handle(conversation_handle)
@@ -337,7 +331,7 @@ def poison_incidents(
 
 
 def poison_messages(
-    session: Session, queue: str | None = None, state: str | None = None
+    session: sessions.Session, queue: str | None = None, state: str | None = None
 ) -> list[PoisonMessage]:
     """Poison messages LOGGED for an operator or PARKED in the holding queue."""
     if state is not None and state.upper() not in ("LOGGED", "PARKED"):
@@ -348,13 +342,13 @@ def poison_messages(
     return [PoisonMessage.from_row(r) for r in rows]
 
 
-def poison_message(session: Session, poison_id: int) -> PoisonMessage:
+def poison_message(session: sessions.Session, poison_id: int) -> PoisonMessage:
     """One poison message."""
     (checked,) = _ids([poison_id])
     return PoisonMessage.from_row(_poison_row(session, checked))
 
 
-def replay_poison_messages(session: Session, poison_ids: Iterable[int]) -> int:
+def replay_poison_messages(session: sessions.Session, poison_ids: Iterable[int]) -> int:
     """Put exactly these poison messages back on their queues, on their conversations,"""
     ids = _ids(poison_ids)
     for poison_id in ids:
@@ -366,7 +360,7 @@ def replay_poison_messages(session: Session, poison_ids: Iterable[int]) -> int:
                 f"{row['conversation_handle']} has ended, so there is nobody to "
                 "deliver it to; `scheduler-lib poison show` prints its body"
             )
-        state = ConversationEndpoint.from_row(endpoint).state
+        state = models.ConversationEndpoint.from_row(endpoint).state
         if state not in REPLAYABLE_STATES:
             raise exceptions.ConversationStateError(
                 f"poison message {poison_id}: its conversation "
@@ -380,11 +374,11 @@ def replay_poison_messages(session: Session, poison_ids: Iterable[int]) -> int:
             handle=row["conversation_handle"],
             seq=row["message_sequence_number"],
         )
-        requeue(session, message, ConversationEndpoint.from_row(endpoint))
+        requeue(session, message, models.ConversationEndpoint.from_row(endpoint))
     return len(ids)
 
 
-def drop_poison_messages(session: Session, poison_ids: Iterable[int]) -> int:
+def drop_poison_messages(session: sessions.Session, poison_ids: Iterable[int]) -> int:
     """Delete exactly these poison messages for good, with their failure records."""
     ids = _ids(poison_ids)
     for poison_id in ids:
@@ -398,7 +392,7 @@ def drop_poison_messages(session: Session, poison_ids: Iterable[int]) -> int:
     return len(ids)
 
 
-def _poison_row(session: Session, poison_id: int) -> Mapping[str, Any]:
+def _poison_row(session: sessions.Session, poison_id: int) -> Mapping[str, Any]:
     row = session.one("poison_message_get", poison_id=poison_id)
     if row is None:
         raise exceptions.NotFound(f"poison message {poison_id} does not exist")
@@ -408,7 +402,7 @@ def _poison_row(session: Session, poison_id: int) -> Mapping[str, Any]:
 # --- the machinery, inside a transaction -------------------------------------------------
 
 
-def policy_for(session: Session, queue: str) -> PoisonPolicy:
+def policy_for(session: sessions.Session, queue: str) -> PoisonPolicy:
     """The queue's stored policy, else the default."""
     row = session.one("poison_policy_get", queue=queue)
     if row is None:
@@ -416,7 +410,7 @@ def policy_for(session: Session, queue: str) -> PoisonPolicy:
     return PoisonPolicy.from_stored(row["threshold"], row["dispositions"])
 
 
-def history(session: Session, message: Message) -> History:
+def history(session: sessions.Session, message: models.Message) -> History:
     rows = session.all(
         "poison_history",
         handle=str(message.conversation_handle),
@@ -440,7 +434,11 @@ def summarize(rows: Sequence[Mapping[str, Any]]) -> History:
 
 
 def _record(
-    session: Session, message: Message, kind: str, error: str | None, worker: str | None
+    session: sessions.Session,
+    message: models.Message,
+    kind: str,
+    error: str | None,
+    worker: str | None,
 ) -> None:
     session.execute(
         "poison_incident_insert",
@@ -456,7 +454,7 @@ def _record(
     session.mark_written()
 
 
-def count_rollbacks(session: Session, queues: Iterable[str]) -> list[str]:
+def count_rollbacks(session: sessions.Session, queues: Iterable[str]) -> list[str]:
     """Built-in detection: a transaction that received from ``queues`` rolled back.
 
     :return: the queues this turned off
@@ -489,7 +487,7 @@ def count_rollbacks(session: Session, queues: Iterable[str]) -> list[str]:
 
 
 def route(
-    session: Session, message: Message, policy: PoisonPolicy, hist: History
+    session: sessions.Session, message: models.Message, policy: PoisonPolicy, hist: History
 ) -> tuple[tuple[str, ...], bool]:
     """Apply the policy's dispositions to a message already off its queue.
 
@@ -539,7 +537,12 @@ def route(
 
 
 def _notify(
-    session: Session, message: Message, d: Notify, hist: History, poison_id: int | None, now: float
+    session: sessions.Session,
+    message: models.Message,
+    d: Notify,
+    hist: History,
+    poison_id: int | None,
+    now: float,
 ) -> None:
     """Post the event and call the callback, each in a savepoint: a broken subscriber or
     callback is logged and does not hold the routing up (a routing that failed would be
@@ -591,8 +594,8 @@ def _notify(
 
 
 def _keep(
-    session: Session,
-    message: Message,
+    session: sessions.Session,
+    message: models.Message,
     state: str,
     hist: History,
     dispositions: str,
@@ -625,7 +628,7 @@ def _keep(
 
 
 def _end_with_error(
-    session: Session, message: Message, disposition: EndConversation, hist: History
+    session: sessions.Session, message: models.Message, disposition: EndConversation, hist: History
 ) -> bool:
     description = disposition.description or (
         f"message {message.message_sequence_number} ({message.message_type_name}) on queue "
@@ -644,7 +647,9 @@ def _end_with_error(
     return True
 
 
-def requeue(session: Session, message: Message, endpoint: ConversationEndpoint) -> None:
+def requeue(
+    session: sessions.Session, message: models.Message, endpoint: models.ConversationEndpoint
+) -> None:
     """Put a message back on its conversation's queue, with its sequence number."""
     sending.enqueue_at(
         session,
@@ -655,7 +660,9 @@ def requeue(session: Session, message: Message, endpoint: ConversationEndpoint) 
     )
 
 
-def fail_leased(session: Session, row: Mapping[str, Any], kind: str, error: str | None) -> str:
+def fail_leased(
+    session: sessions.Session, row: Mapping[str, Any], kind: str, error: str | None
+) -> str:
     """A leased message failed (abandoned, or its heartbeat ran out): count it, then
     retry it or route it per the queue's policy."""
     session.execute("lease_delete", lease_id=row["lease_id"])
@@ -665,7 +672,7 @@ def fail_leased(session: Session, row: Mapping[str, Any], kind: str, error: str 
     policy = policy_for(session, message.queue_name)
     endpoint = session.one("endpoint_get", handle=row["conversation_handle"])
     if hist.failures < policy.threshold and endpoint is not None:
-        requeue(session, message, ConversationEndpoint.from_row(endpoint))
+        requeue(session, message, models.ConversationEndpoint.from_row(endpoint))
         log.warning(
             "message %s/%s requeued after failure %s of %s: %s",
             row["conversation_handle"],
@@ -679,7 +686,7 @@ def fail_leased(session: Session, row: Mapping[str, Any], kind: str, error: str 
     return "routed"
 
 
-def redeliver_parked(session: Session, now: float, limit: int = 100) -> int:
+def redeliver_parked(session: sessions.Session, now: float, limit: int = 100) -> int:
     """Parked messages whose delay is over go back on their conversation's queue."""
     returned = 0
     for row in session.all("parked_due", now=now, limit=limit):
@@ -694,7 +701,7 @@ def redeliver_parked(session: Session, now: float, limit: int = 100) -> int:
             )
         else:
             session.execute("poison_message_delete", poison_id=row["poison_id"])
-            requeue(session, message_of(row), ConversationEndpoint.from_row(endpoint))
+            requeue(session, message_of(row), models.ConversationEndpoint.from_row(endpoint))
         session.mark_written()
         returned += 1
     return returned

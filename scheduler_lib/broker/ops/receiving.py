@@ -9,11 +9,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from scheduler_lib.broker import counters
-from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.db.store import Row
-from scheduler_lib.broker.db.waiting import Waiting
-from scheduler_lib.broker.models import MESSAGE_COLUMNS, Message, QueueInfo
+from scheduler_lib.broker import counters, models
+from scheduler_lib.broker.db import session as sessions
+from scheduler_lib.broker.db import store
+from scheduler_lib.broker.db import waiting as waiting_mod
 from scheduler_lib.broker.ops import endpoints
 
 T = TypeVar("T")
@@ -22,7 +21,7 @@ QUEUE_RECHECK = 1.0  # seconds a waiting RECEIVE trusts the queue's settings
 
 
 def receive(
-    session: Session,
+    session: sessions.Session,
     queue: str,
     top: int,
     timeout: float | None,
@@ -30,7 +29,7 @@ def receive(
     group_id: str | None = None,
     *,
     looked: int | None = None,
-) -> list[Message]:
+) -> list[models.Message]:
     """WAITFOR (RECEIVE ...) in the session's transaction: the one-statement look where
     the dialect has one, then the wait of :func:`wait_for` around the checked look.
 
@@ -55,8 +54,8 @@ def receive(
 
 
 def first_look(
-    session: Session, queue: str, top: int, handle: str | None
-) -> tuple[list[Message], int | None]:
+    session: sessions.Session, queue: str, top: int, handle: str | None
+) -> tuple[list[models.Message], int | None]:
     """The one-statement look a RECEIVE makes first: what it got, and the wakeup
     generation read before it — for the wait that follows an empty look (``None`` where
     the dialect has no such look: the wait must look itself)."""
@@ -68,14 +67,14 @@ def first_look(
 
 
 def look(
-    session: Session,
+    session: sessions.Session,
     queue: str,
     top: int,
     handle: str | None,
     group_id: str | None,
     *,
     fast_looked: bool = False,
-) -> list[Message]:
+) -> list[models.Message]:
     """One look; ``fast_looked``: the caller has just made the one-statement look."""
     if not fast_looked and group_id is None:
         found = fast(session, queue, top, handle)
@@ -117,10 +116,10 @@ def look(
         conversations = _arrival_order(
             session.all("receive_group_firsts", group_id=locked, top=top)
         )
-    messages: list[Message] = []
+    messages: list[models.Message] = []
     for conversation in conversations:
         rows = session.all(take, handle=conversation, top=top - len(messages))
-        messages.extend(sorted(map(Message.from_row, rows), key=_sequence))
+        messages.extend(sorted(map(models.Message.from_row, rows), key=_sequence))
         if len(messages) >= top:
             break
     session.mark_written()
@@ -132,7 +131,9 @@ def look(
     return messages
 
 
-def pick_group(session: Session, queue: QueueInfo, query: str = "receive_pick_group") -> str | None:
+def pick_group(
+    session: sessions.Session, queue: models.QueueInfo, query: str = "receive_pick_group"
+) -> str | None:
     """Lock the group to serve next: with aging on, the group of the oldest message
     that waited past the bound, whatever its level; otherwise (or if none has) the
     group of the highest-level message, oldest first."""
@@ -145,7 +146,9 @@ def pick_group(session: Session, queue: QueueInfo, query: str = "receive_pick_gr
     return None if picked is None else str(picked)
 
 
-def fast(session: Session, queue: str, top: int, handle: str | None = None) -> list[Message]:
+def fast(
+    session: sessions.Session, queue: str, top: int, handle: str | None = None
+) -> list[models.Message]:
     """RECEIVE (of one conversation, with ``handle``) in one statement where the
     dialect has one; ``[]`` also when the queue needs the checked path (unknown,
     disabled, retention)."""
@@ -162,10 +165,12 @@ def fast(session: Session, queue: str, top: int, handle: str | None = None) -> l
     session.receipt(queue)  # the statement reset the rollback count itself
     session.tally(counters.RECEIVED, queue, n=len(rows))
     # The statement returns them in RECEIVE's order.
-    return [Message.from_row(dict(zip(MESSAGE_COLUMNS, r, strict=True))) for r in rows]
+    return [
+        models.Message.from_row(dict(zip(models.MESSAGE_COLUMNS, r, strict=True))) for r in rows
+    ]
 
 
-def group_once(session: Session, queue: str) -> uuid.UUID | None:
+def group_once(session: sessions.Session, queue: str) -> uuid.UUID | None:
     """One look of GET CONVERSATION GROUP: the group locked, or ``None``."""
     info = endpoints.queue(session, queue)
     if not info.is_receive_enabled:
@@ -178,13 +183,13 @@ def group_once(session: Session, queue: str) -> uuid.UUID | None:
 
 
 def wait_for(
-    session: Session | None,
+    session: sessions.Session | None,
     queue: str,
     timeout: float | None,
     attempt: Callable[[], T],
     empty: T,
     *,
-    waiting: Waiting | None = None,
+    waiting: waiting_mod.Waiting | None = None,
     unfiltered: bool = True,
     looked: tuple[int, Callable[[], T]] | None = None,
     in_turns: bool = False,
@@ -262,7 +267,7 @@ def wait_for(
 
 
 def _got(
-    session: Session | None, queue: str, found: T, noted: tuple[float | None, float] | None
+    session: sessions.Session | None, queue: str, found: T, noted: tuple[float | None, float] | None
 ) -> T:
     """What a wait that found something leaves for the queue's monitors."""
     if session is None:
@@ -281,14 +286,14 @@ def _got(
     return found
 
 
-def _arrival_order(firsts: list[Row]) -> list[str]:
+def _arrival_order(firsts: list[store.Row]) -> list[str]:
     """RECEIVE's order of a group's conversations, from ``receive_group_firsts`` (rows by
     level, then arrival): each conversation where its oldest ready message first appears —
     by level, then by that message's arrival, never by the handle's text."""
     return list(dict.fromkeys(str(row["conversation_handle"]) for row in firsts))
 
 
-def _sequence(message: Message) -> int:
+def _sequence(message: models.Message) -> int:
     """A conversation's order (DELETE ... RETURNING promises no order of its own)."""
     return message.message_sequence_number
 
@@ -297,6 +302,6 @@ def _group_of(found: object) -> str | None:
     """The conversation group a RECEIVE (its messages) or GET CONVERSATION GROUP got."""
     if isinstance(found, uuid.UUID):
         return str(found)
-    if isinstance(found, list) and found and isinstance(found[0], Message):
+    if isinstance(found, list) and found and isinstance(found[0], models.Message):
         return str(found[0].conversation_group_id)
     return None

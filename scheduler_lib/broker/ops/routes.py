@@ -16,7 +16,7 @@ from typing import Any
 
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.db.session import Session
+from scheduler_lib.broker.db import session as sessions
 
 LOCAL = "LOCAL"  # the address of a route to a service of this broker
 DEFAULT_PORT = 4022  # Service Broker's customary port
@@ -71,7 +71,11 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def create(
-    session: Session, name: str, service_name: str, address: str, broker_instance: str | None
+    session: sessions.Session,
+    name: str,
+    service_name: str,
+    address: str,
+    broker_instance: str | None,
 ) -> Route:
     """CREATE ROUTE (the front's ``create_route`` says what each argument is)."""
     name = checks.name(name, "route name")
@@ -85,7 +89,7 @@ def create(
 
 
 def alter(
-    session: Session,
+    session: sessions.Session,
     name: str,
     service_name: str | None,
     address: str | None,
@@ -108,19 +112,19 @@ def alter(
     return Route.from_row(_required(session, name))
 
 
-def drop(session: Session, name: str) -> None:
+def drop(session: sessions.Session, name: str) -> None:
     """DROP ROUTE."""
     _required(session, name)
     session.execute("route_delete", name=name)
     session.mark_written()
 
 
-def listed(session: Session) -> list[Route]:
+def listed(session: sessions.Session) -> list[Route]:
     """Every route (``sys.routes``)."""
     return [Route.from_row(r) for r in session.all("route_list")]
 
 
-def broker_instance(session: Session) -> str:
+def broker_instance(session: sessions.Session) -> str:
     """This broker's id (``service_broker_guid``), made by its first asker."""
     instance = session.scalar("setting_get", name="broker_instance")
     if instance is None:  # the first asker names the broker; a racing one agrees
@@ -130,7 +134,7 @@ def broker_instance(session: Session) -> str:
     return str(instance)
 
 
-def remote_route(session: Session, service: str) -> Route | None:
+def remote_route(session: sessions.Session, service: str) -> Route | None:
     """The route that takes ``service`` to another broker, or ``None`` (no route, or
     only ``LOCAL`` ones)."""
     for row in session.all("routes_for_service", service=service):
@@ -140,7 +144,7 @@ def remote_route(session: Session, service: str) -> Route | None:
     return None
 
 
-def _required(session: Session, name: str) -> Mapping[str, Any]:
+def _required(session: sessions.Session, name: str) -> Mapping[str, Any]:
     row = session.one("route_get", name=name)
     if row is None:
         raise exceptions.NotFound(f"route {name!r} does not exist")

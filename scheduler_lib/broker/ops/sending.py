@@ -9,24 +9,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from scheduler_lib.broker import counters, exceptions
+from scheduler_lib.broker import counters, exceptions, models
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.db.session import Session
-from scheduler_lib.broker.db.store import Row
-from scheduler_lib.broker.models import (
-    END_DIALOG,
-    ERROR,
-    ConversationEndpoint,
-    EndpointState,
-    SentBy,
-    Validation,
-)
+from scheduler_lib.broker.db import session as sessions
+from scheduler_lib.broker.db import store
 from scheduler_lib.broker.ops import endpoints
 
 Before = tuple[str, Mapping[str, Any]]  # a named statement and its binds
 
 
-def send(session: Session, handle: str, message_type: str, data: bytes | None) -> int:
+def send(session: sessions.Session, handle: str, message_type: str, data: bytes | None) -> int:
     """SEND inside the session's transaction: in one statement where it can, else the
     checked way. Its sequence number."""
     seq, _ = fast(session, handle, message_type, data)
@@ -34,7 +26,7 @@ def send(session: Session, handle: str, message_type: str, data: bytes | None) -
 
 
 def fast(
-    session: Session,
+    session: sessions.Session,
     handle: str,
     message_type: str,
     data: bytes | None,
@@ -83,7 +75,7 @@ def fast(
 
 
 def many_fast(
-    session: Session,
+    session: sessions.Session,
     handle: str,
     message_type: str,
     data: list[bytes | None],
@@ -120,7 +112,7 @@ def many_fast(
     return int(first), before is not None
 
 
-def checked(session: Session, handle: str, message_type: str, data: bytes | None) -> int:
+def checked(session: sessions.Session, handle: str, message_type: str, data: bytes | None) -> int:
     """SEND with every check spelled out: the path that names what is wrong, creates
     the target endpoint with the first message, and holds messages for a disabled
     queue. PostgreSQL's one-statement fast path falls back to it."""
@@ -128,18 +120,18 @@ def checked(session: Session, handle: str, message_type: str, data: bytes | None
     mt = session.one("message_type_get", name=message_type)
     if mt is None:
         raise exceptions.MessageTypeNotFound(f"message type {message_type!r} does not exist")
-    validation = Validation(mt["validation"])
+    validation = models.Validation(mt["validation"])
     session.broker._validation_cache[message_type] = validation
     allowed = {
-        r["message_type_name"]: SentBy(r["sent_by"])
+        r["message_type_name"]: models.SentBy(r["sent_by"])
         for r in session.all("contract_message_types", name=near.contract_name)
     }
-    side = SentBy.INITIATOR if near.is_initiator else SentBy.TARGET
+    side = models.SentBy.INITIATOR if near.is_initiator else models.SentBy.TARGET
     if message_type not in allowed:
         raise exceptions.ContractViolation(
             f"message type {message_type!r} is not part of contract {near.contract_name!r}"
         )
-    if allowed[message_type] not in (side, SentBy.ANY):
+    if allowed[message_type] not in (side, models.SentBy.ANY):
         raise exceptions.ContractViolation(
             f"contract {near.contract_name!r} lets only the {allowed[message_type].value} "
             f"send {message_type!r}; this endpoint is the {side.value}"
@@ -169,7 +161,10 @@ def checked(session: Session, handle: str, message_type: str, data: bytes | None
 
 
 def remote(
-    session: Session, near: ConversationEndpoint, message_type: str, data: bytes | None
+    session: sessions.Session,
+    near: models.ConversationEndpoint,
+    message_type: str,
+    data: bytes | None,
 ) -> int:
     """SEND to a service on another broker: the message waits in the transmission
     queue until that broker acknowledges it (the transport sends it)."""
@@ -184,7 +179,7 @@ def remote(
 
 
 def remote_many(
-    session: Session, handle: str, message_type: str, data: list[bytes | None]
+    session: sessions.Session, handle: str, message_type: str, data: list[bytes | None]
 ) -> list[int]:
     """The rest of a ``send_many`` to another broker, after its first message went
     the checked way (so the contract, direction and state are known to be fine)."""
@@ -222,7 +217,7 @@ def remote_many(
 
 
 def retain_sent(
-    session: Session, handle: str, seq: int, message_type: str, body: bytes | None
+    session: sessions.Session, handle: str, seq: int, message_type: str, body: bytes | None
 ) -> None:
     """RETENTION on the sender's queue: a copy of what this endpoint sent stays there
     (status 3) until the conversation ends. One statement, which writes nothing when
@@ -238,7 +233,9 @@ def retain_sent(
     )
 
 
-def outgoing_row(near: ConversationEndpoint, message_type: str, now: float) -> dict[str, Any]:
+def outgoing_row(
+    near: models.ConversationEndpoint, message_type: str, now: float
+) -> dict[str, Any]:
     """The binds of ``outgoing_insert`` that come from the sending endpoint."""
     return {
         "handle": str(near.conversation_handle),
@@ -256,7 +253,11 @@ def outgoing_row(near: ConversationEndpoint, message_type: str, now: float) -> d
 
 
 def transmit(
-    session: Session, near: ConversationEndpoint, seq: int, message_type: str, body: bytes | None
+    session: sessions.Session,
+    near: models.ConversationEndpoint,
+    seq: int,
+    message_type: str,
+    body: bytes | None,
 ) -> None:
     """Put message ``seq`` of ``near`` in the transmission queue for its far broker;
     the transport is woken at commit."""
@@ -268,7 +269,10 @@ def transmit(
 
 
 def end_remote(
-    session: Session, near: ConversationEndpoint, error: int | None, description: str | None
+    session: sessions.Session,
+    near: models.ConversationEndpoint,
+    error: int | None,
+    description: str | None,
 ) -> None:
     """END CONVERSATION of a conversation whose far side is on another broker: the
     ``EndDialog`` (or ``Error``) travels as the conversation's next message."""
@@ -279,25 +283,25 @@ def end_remote(
     session.execute("messages_delete_conversation", handle=handle)
     session.execute("transmission_delete_held", handle=handle)
     seq = int(session.scalar("endpoint_take_system_sequence", handle=handle))
-    if near.state in (EndpointState.DISCONNECTED_INBOUND, EndpointState.ERROR):
+    if near.state in (models.EndpointState.DISCONNECTED_INBOUND, models.EndpointState.ERROR):
         # The far side ended (or this side failed): the last to leave closes, and tells
         # the far side, which waits in DISCONNECTED_OUTBOUND for this.
         endpoints.close(session, near)
-        transmit(session, near, seq, END_DIALOG, None)
+        transmit(session, near, seq, models.END_DIALOG, None)
         return
     if error is None:
-        transmit(session, near, seq, END_DIALOG, None)
+        transmit(session, near, seq, models.END_DIALOG, None)
     else:
         body = json.dumps({"code": error, "description": description}).encode()
-        transmit(session, near, seq, ERROR, body)
+        transmit(session, near, seq, models.ERROR, body)
     session.execute(
-        "endpoint_set_state", handle=handle, state=EndpointState.DISCONNECTED_OUTBOUND.value
+        "endpoint_set_state", handle=handle, state=models.EndpointState.DISCONNECTED_OUTBOUND.value
     )
 
 
 def enqueue_at(
-    session: Session,
-    to: ConversationEndpoint,
+    session: sessions.Session,
+    to: models.ConversationEndpoint,
     seq: int,
     message_type: str,
     body: bytes | None,
@@ -316,8 +320,8 @@ def enqueue_at(
 
 
 def enqueue(
-    session: Session,
-    to: Row,
+    session: sessions.Session,
+    to: store.Row,
     handle: str,
     seq: int,
     message_type: str,
@@ -361,7 +365,9 @@ def enqueue(
         )
 
 
-def passes(message_type: str, validation: Validation, bodies: Sequence[bytes | None]) -> bool:
+def passes(
+    message_type: str, validation: models.Validation, bodies: Sequence[bytes | None]
+) -> bool:
     """Whether every body passes ``validation`` as this process has it cached. A fast path
     that finds one failing takes the checked path instead, which says what is wrong in its
     own order (existence, contract, direction, state, then the body) and against the

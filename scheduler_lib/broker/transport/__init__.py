@@ -4,11 +4,11 @@ acknowledges it; a TCP endpoint per broker speaks the adjacent-broker protocol (
 frames, fragments, piggy-backed acknowledgements, retransmission with backoff)."""
 
 from scheduler_lib.broker.transport.endpoint import (
-    ConnectionInfo,
     TransportEndpoint,
     read_key,
     running,
     tls_contexts,
 )
+from scheduler_lib.broker.transport.links import ConnectionInfo
 
 __all__ = ["ConnectionInfo", "TransportEndpoint", "read_key", "running", "tls_contexts"]

@@ -16,28 +16,19 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler_lib.broker import counters, exceptions
+from scheduler_lib.broker import counters, exceptions, models
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.models import (
-    END_DIALOG,
-    ERROR,
-    ERROR_SEQUENCE,
-    ConversationEndpoint,
-    EndpointState,
-    SentBy,
-    Validation,
-)
 from scheduler_lib.broker.ops import endpoints, sending
 
 if TYPE_CHECKING:
-    from scheduler_lib.broker.broker import Broker, Transaction
+    from scheduler_lib.broker import broker as brokers
 
 log = logging.getLogger(__name__)
 
 SENDABLE = (
-    EndpointState.STARTED_OUTBOUND,
-    EndpointState.STARTED_INBOUND,
-    EndpointState.CONVERSING,
+    models.EndpointState.STARTED_OUTBOUND,
+    models.EndpointState.STARTED_INBOUND,
+    models.EndpointState.CONVERSING,
 )
 CLOSED_RETENTION = 1800.0  # seconds a remote conversation's closed endpoint is kept
 CACHE_TTL = 60.0  # seconds the catalog facts checked on arrival are trusted
@@ -77,13 +68,13 @@ class Receiver:
     query), and the catalog facts it checks messages against (re-read on a miss).
     """
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: brokers.Broker) -> None:
         self._broker = broker
         # This batch's endpoints, by (conversation id, side).
-        self._endpoints: dict[tuple[str, bool], ConversationEndpoint] = {}
+        self._endpoints: dict[tuple[str, bool], models.ConversationEndpoint] = {}
         self._waiting: set[tuple[str, bool]] = set()
-        self._allowed: dict[tuple[str, str], SentBy] = {}  # (contract, type) -> sender
-        self._validation: dict[str, Validation] = {}
+        self._allowed: dict[tuple[str, str], models.SentBy] = {}  # (contract, type) -> sender
+        self._validation: dict[str, models.Validation] = {}
         self._cache_read = time.monotonic()
         self._forget: set[tuple[str, bool]] = set()  # hints to drop at commit
         self.reload()
@@ -150,7 +141,7 @@ class Receiver:
         for f in fragments[start:]:
             if (
                 f.count != 1
-                or f.message_type in (END_DIALOG, ERROR)
+                or f.message_type in (models.END_DIALOG, models.ERROR)
                 or f.conversation_id != first.conversation_id
                 or f.from_initiator != first.from_initiator
                 or f.seq != first.seq + n
@@ -159,7 +150,7 @@ class Receiver:
             n += 1
         return n
 
-    def _accept_run(self, tx: Transaction, run: Sequence[Fragment]) -> bool:
+    def _accept_run(self, tx: brokers.Transaction, run: Sequence[Fragment]) -> bool:
         """Deliver a run of in-order messages with one UPDATE of the endpoint and one
         batch of INSERTs. ``False`` (nothing written) when any of them needs the one-by-
         one path: a new or ending conversation, a check that fails, a disabled queue."""
@@ -167,7 +158,8 @@ class Receiver:
         endpoint = self._endpoint(tx, first.conversation_id, not first.from_initiator)
         if (
             endpoint is None
-            or endpoint.state not in (EndpointState.STARTED_INBOUND, EndpointState.CONVERSING)
+            or endpoint.state
+            not in (models.EndpointState.STARTED_INBOUND, models.EndpointState.CONVERSING)
             or endpoint.receive_sequence != first.seq
         ):
             return False
@@ -222,7 +214,7 @@ class Receiver:
 
     # --- one fragment ------------------------------------------------------------------
 
-    def _accept(self, tx: Transaction, f: Fragment) -> str | None:
+    def _accept(self, tx: brokers.Transaction, f: Fragment) -> str | None:
         endpoint = self._endpoint(tx, f.conversation_id, not f.from_initiator)
         if endpoint is None:
             if not f.from_initiator:
@@ -237,7 +229,7 @@ class Receiver:
                 # late copy from a conversation whose closed endpoint is long gone.
                 return NOT_YET
             endpoint = self._create_target(tx, f)
-        if endpoint.state is EndpointState.CLOSED or f.seq < endpoint.receive_sequence:
+        if endpoint.state is models.EndpointState.CLOSED or f.seq < endpoint.receive_sequence:
             return None  # a copy of something delivered before
         refused = self._check_message(tx, endpoint, f)
         if refused:
@@ -279,14 +271,14 @@ class Receiver:
         self._drain(tx, f.conversation_id, f.from_initiator)
         return None
 
-    def _drain(self, tx: Transaction, conversation_id: str, from_initiator: bool) -> None:
+    def _drain(self, tx: brokers.Transaction, conversation_id: str, from_initiator: bool) -> None:
         """Deliver the messages waiting in fragments that are now whole and next in line."""
         key = (conversation_id, from_initiator)
         if key not in self._waiting:
             return
         while True:
             endpoint = self._endpoint(tx, conversation_id, not from_initiator)
-            if endpoint is None or endpoint.state is EndpointState.CLOSED:
+            if endpoint is None or endpoint.state is models.EndpointState.CLOSED:
                 self._forget.add(key)
                 return
             seq = endpoint.receive_sequence
@@ -319,9 +311,9 @@ class Receiver:
                 # conversation fails, as SQL Server's does (this side gets an Error).
                 log.warning("conversation %s: %s", conversation_id, refused)
                 error = json.dumps({"code": INVALID_MESSAGE_CODE, "description": refused})
-                self._deliver(tx, endpoint, seq, ERROR, error.encode())
+                self._deliver(tx, endpoint, seq, models.ERROR, error.encode())
 
-    def _forget_if_empty(self, tx: Transaction, key: tuple[str, bool]) -> None:
+    def _forget_if_empty(self, tx: brokers.Transaction, key: tuple[str, bool]) -> None:
         # Whatever is still waiting for this conversation lies further ahead; the hint
         # stays while anything does, so the next arrival looks again.
         conversation_id, from_initiator = key
@@ -334,8 +326,8 @@ class Receiver:
 
     def _deliver(
         self,
-        tx: Transaction,
-        endpoint: ConversationEndpoint,
+        tx: brokers.Transaction,
+        endpoint: models.ConversationEndpoint,
         seq: int,
         message_type: str,
         body: bytes | None,
@@ -352,13 +344,16 @@ class Receiver:
             self._endpoints.pop(key, None)
             return None  # raced with another delivery of the same number: a duplicate
         tx.session.mark_written()
-        state = EndpointState(accepted["state"])  # read under the row's lock, not before
-        if message_type in (END_DIALOG, ERROR) or state is EndpointState.STARTED_OUTBOUND:
+        state = models.EndpointState(accepted["state"])  # read under the row's lock, not before
+        if (
+            message_type in (models.END_DIALOG, models.ERROR)
+            or state is models.EndpointState.STARTED_OUTBOUND
+        ):
             self._endpoints.pop(key, None)  # its state changes below: read it again
         else:
             self._endpoints[key] = dataclasses.replace(endpoint, receive_sequence=seq + 1)
-        if message_type in (END_DIALOG, ERROR):
-            if state is EndpointState.DISCONNECTED_OUTBOUND:
+        if message_type in (models.END_DIALOG, models.ERROR):
+            if state is models.EndpointState.DISCONNECTED_OUTBOUND:
                 endpoints.close(
                     tx.session, endpoint
                 )  # both sides have ended: this one was waiting for it
@@ -366,20 +361,20 @@ class Receiver:
                 # An Error (the far side's END WITH ERROR, or one this broker makes for a
                 # message it refuses) is received ahead of the conversation's messages
                 # still queued, as on a local conversation; EndDialog keeps its place.
-                at = seq if message_type == END_DIALOG else ERROR_SEQUENCE
+                at = seq if message_type == models.END_DIALOG else models.ERROR_SEQUENCE
                 sending.enqueue(tx.session, accepted, handle, at, message_type, body)
                 new = (
-                    EndpointState.DISCONNECTED_INBOUND
-                    if message_type == END_DIALOG
-                    else EndpointState.ERROR
+                    models.EndpointState.DISCONNECTED_INBOUND
+                    if message_type == models.END_DIALOG
+                    else models.EndpointState.ERROR
                 )
                 tx.session.execute("endpoint_set_state", handle=handle, state=new.value)
             return None
         if state in SENDABLE:
             sending.enqueue(tx.session, accepted, handle, seq, message_type, body)
-            if state is EndpointState.STARTED_OUTBOUND:
+            if state is models.EndpointState.STARTED_OUTBOUND:
                 tx.session.execute(
-                    "endpoint_set_state", handle=handle, state=EndpointState.CONVERSING.value
+                    "endpoint_set_state", handle=handle, state=models.EndpointState.CONVERSING.value
                 )
         # else: this side has ended or failed; what the far side still sent is dropped.
         return None
@@ -387,8 +382,8 @@ class Receiver:
     # --- checks and lookups ------------------------------------------------------------
 
     def _endpoint(
-        self, tx: Transaction, conversation_id: str, is_initiator: bool
-    ) -> ConversationEndpoint | None:
+        self, tx: brokers.Transaction, conversation_id: str, is_initiator: bool
+    ) -> models.ConversationEndpoint | None:
         cached = self._endpoints.get((conversation_id, is_initiator))
         if cached is not None:
             return cached
@@ -397,13 +392,13 @@ class Receiver:
         )
         if row is None:
             return None
-        endpoint = self._endpoints[(conversation_id, is_initiator)] = ConversationEndpoint.from_row(
-            row
+        endpoint = self._endpoints[(conversation_id, is_initiator)] = (
+            models.ConversationEndpoint.from_row(row)
         )
         return endpoint
 
     @staticmethod
-    def _check_new_conversation(tx: Transaction, f: Fragment) -> str | None:
+    def _check_new_conversation(tx: brokers.Transaction, f: Fragment) -> str | None:
         if tx.session.one("service_get", name=f.to_service) is None:
             return f"service {f.to_service!r} does not exist on this broker"
         if not tx.session.one("service_accepts", name=f.to_service, contract=f.contract):
@@ -411,9 +406,9 @@ class Receiver:
         return None
 
     def _check_message(
-        self, tx: Transaction, endpoint: ConversationEndpoint, f: Fragment
+        self, tx: brokers.Transaction, endpoint: models.ConversationEndpoint, f: Fragment
     ) -> str | None:
-        if f.message_type in (END_DIALOG, ERROR):
+        if f.message_type in (models.END_DIALOG, models.ERROR):
             return None
         key = (endpoint.contract_name, f.message_type)
         if key not in self._allowed:
@@ -424,24 +419,24 @@ class Receiver:
                 f"message type {f.message_type!r} is not part of contract "
                 f"{endpoint.contract_name!r} on this broker"
             )
-        side = SentBy.INITIATOR if f.from_initiator else SentBy.TARGET
-        if sent_by not in (side, SentBy.ANY):
+        side = models.SentBy.INITIATOR if f.from_initiator else models.SentBy.TARGET
+        if sent_by not in (side, models.SentBy.ANY):
             return (
                 f"contract {endpoint.contract_name!r} lets only the {sent_by.value} send "
                 f"{f.message_type!r}"
             )
         return None
 
-    def _load_contract(self, tx: Transaction, contract: str) -> None:
+    def _load_contract(self, tx: brokers.Transaction, contract: str) -> None:
         for row in tx.session.all("contract_message_types", name=contract):
-            self._allowed[(contract, row["message_type_name"])] = SentBy(row["sent_by"])
+            self._allowed[(contract, row["message_type_name"])] = models.SentBy(row["sent_by"])
             if row["message_type_name"] not in self._validation:
                 mt = tx.session.one("message_type_get", name=row["message_type_name"])
                 if mt is not None:
-                    self._validation[row["message_type_name"]] = Validation(mt["validation"])
+                    self._validation[row["message_type_name"]] = models.Validation(mt["validation"])
 
     @staticmethod
-    def _create_target(tx: Transaction, f: Fragment) -> ConversationEndpoint:
+    def _create_target(tx: brokers.Transaction, f: Fragment) -> models.ConversationEndpoint:
         """The target endpoint comes into being with the conversation's first message."""
         return endpoints.create_target(
             tx.session,
@@ -457,7 +452,7 @@ class Receiver:
 # --- the sending side's writes ---------------------------------------------------------
 
 
-def acknowledged(broker: Broker, messages: Iterable[tuple[int, str, int]]) -> None:
+def acknowledged(broker: brokers.Broker, messages: Iterable[tuple[int, str, int]]) -> None:
     """The far broker has the messages — (id, sending handle, sequence number) — so
     they leave the transmission queue."""
     rows = [{"message_id": i, "handle": h, "seq": s} for i, h, s in messages]
@@ -467,7 +462,9 @@ def acknowledged(broker: Broker, messages: Iterable[tuple[int, str, int]]) -> No
             tx.session.mark_written()
 
 
-def set_statuses(broker: Broker, statuses: Iterable[tuple[int, str, int, str, int]]) -> None:
+def set_statuses(
+    broker: brokers.Broker, statuses: Iterable[tuple[int, str, int, str, int]]
+) -> None:
     """Record messages' last transmission outcome: (id, sending handle, sequence number,
     status, attempts made since the last record)."""
     now = time.time()
@@ -481,7 +478,9 @@ def set_statuses(broker: Broker, statuses: Iterable[tuple[int, str, int, str, in
             tx.session.mark_written()
 
 
-def record_events(broker: Broker, events: Sequence[tuple[float, str, str | None, str]]) -> None:
+def record_events(
+    broker: brokers.Broker, events: Sequence[tuple[float, str, str | None, str]]
+) -> None:
     """Write transport events: (when, type, peer, detail)."""
     if events:
         rows = [
@@ -493,7 +492,7 @@ def record_events(broker: Broker, events: Sequence[tuple[float, str, str | None,
             tx.session.mark_written()
 
 
-def prune_events(broker: Broker, before: float, keep: int) -> int:
+def prune_events(broker: brokers.Broker, before: float, keep: int) -> int:
     """Remove transport events older than ``before`` and all but the newest ``keep``;
     how many went."""
     with broker.transaction() as tx:
@@ -504,7 +503,7 @@ def prune_events(broker: Broker, before: float, keep: int) -> int:
         return gone
 
 
-def prune_closed(broker: Broker, now: float, retention: float = CLOSED_RETENTION) -> int:
+def prune_closed(broker: brokers.Broker, now: float, retention: float = CLOSED_RETENTION) -> int:
     """Remove remote conversations' closed endpoints older than ``retention`` seconds."""
     with broker.transaction() as tx:
         rows = tx.session.all("endpoints_closed_before", before=now - retention, limit=1000)
@@ -523,7 +522,7 @@ def prune_closed(broker: Broker, now: float, retention: float = CLOSED_RETENTION
 
 
 def write_connections(
-    broker: Broker,
+    broker: brokers.Broker,
     endpoint_id: str,
     address: str | None,
     connections: Sequence[Any],
@@ -555,7 +554,9 @@ def write_connections(
         tx.session.mark_written()
 
 
-def load_outgoing(broker: Broker, query: str, limit: int, **params: Any) -> list[dict[str, Any]]:
+def load_outgoing(
+    broker: brokers.Broker, query: str, limit: int, **params: Any
+) -> list[dict[str, Any]]:
     """Outgoing messages (``outgoing_after`` past a cursor, or ``outgoing_upto``)."""
     with broker.transaction() as tx:
         return [dict(r) for r in tx.session.all(query, limit=limit, **params)]

@@ -40,11 +40,10 @@ from typing import TYPE_CHECKING, Any
 from scheduler_lib.broker import counters, exceptions
 from scheduler_lib.broker.db import wakeup
 from scheduler_lib.broker.ops import routes
-from scheduler_lib.broker.transport import delivery, frames, reports
-from scheduler_lib.broker.transport.links import Connection, ConnectionInfo, Link, Outgoing
+from scheduler_lib.broker.transport import delivery, frames, links, reports
 
 if TYPE_CHECKING:
-    from scheduler_lib.broker.broker import Broker
+    from scheduler_lib.broker import broker as brokers
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ class TransportEndpoint:
 
     def __init__(
         self,
-        broker: Broker,
+        broker: brokers.Broker,
         *,
         key: bytes | str,
         listen: str | None = f"127.0.0.1:{routes.DEFAULT_PORT}",
@@ -193,14 +192,14 @@ class TransportEndpoint:
         self._writes = concurrent.futures.ThreadPoolExecutor(1, "transport-writes")
         self._receiver = delivery.Receiver(broker)
         # Loop state (touched only on the loop's thread).
-        self._links: dict[str, Link] = {}
-        self._connections: set[Connection] = set()
-        self._by_key: dict[tuple[str, bool, int], Outgoing] = {}
-        self._incoming: asyncio.Queue[tuple[delivery.Fragment, Connection]] | None = None
+        self._links: dict[str, links.Link] = {}
+        self._connections: set[links.Connection] = set()
+        self._by_key: dict[tuple[str, bool, int], links.Outgoing] = {}
+        self._incoming: asyncio.Queue[tuple[delivery.Fragment, links.Connection]] | None = None
         self._acked: list[tuple[int, str, int]] = []  # (id, handle, seq) to delete
         self._statuses: dict[int, tuple[str, int]] = {}  # id -> (status, attempts)
         self._dirty_statuses: set[int] = set()  # statuses not written yet
-        self._inflight: dict[int, Outgoing] = {}
+        self._inflight: dict[int, links.Outgoing] = {}
         self._events: list[tuple[float, str, str | None, str]] = []
         self._reports = reports.Reports(lambda *event: self._events.append(event))
         self._inbound = 0  # inbound connections open (in their handshake or served)
@@ -263,14 +262,14 @@ class TransportEndpoint:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def connections(self) -> list[ConnectionInfo]:
+    def connections(self) -> list[links.ConnectionInfo]:
         """The open connections (``sys.dm_broker_connections``)."""
         if self._loop is None or self._stopping.is_set():
             return []
         future = asyncio.run_coroutine_threadsafe(self._snapshot(), self._loop)
         return future.result(timeout=5)
 
-    async def _snapshot(self) -> list[ConnectionInfo]:
+    async def _snapshot(self) -> list[links.ConnectionInfo]:
         return [c.info() for c in sorted(self._connections, key=lambda c: c.opened_at)]
 
     def _run(self) -> None:
@@ -488,7 +487,7 @@ class TransportEndpoint:
                 body = bytes(body)
                 size = self.fragment_size
                 parts = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
-            message = Outgoing(
+            message = links.Outgoing(
                 message_id=row["message_id"],
                 handle=row["conversation_handle"],
                 conversation_id=row["conversation_id"],
@@ -535,7 +534,7 @@ class TransportEndpoint:
             with self._known_lock:
                 self._known.difference_update(m.message_id for m in gone)
 
-    def _drop(self, message: Outgoing) -> None:
+    def _drop(self, message: links.Outgoing) -> None:
         """Forget a message in flight (acknowledged, gone from the database, or its route
         dropped)."""
         self._by_key.pop(message.key, None)
@@ -551,8 +550,8 @@ class TransportEndpoint:
         drops a copy it has), or, with no route left, stop going anywhere and wait in
         the transmission queue until the loader finds one."""
         now = time.time()
-        left: set[Link] = set()
-        released: list[Outgoing] = []
+        left: set[links.Link] = set()
+        released: list[links.Outgoing] = []
         for message in [m for m in self._inflight.values() if m.to_service == service]:
             old = self._links.get(message.address)
             if route is not None and message.address == route.address:
@@ -598,15 +597,15 @@ class TransportEndpoint:
             with self._known_lock:  # the loader reads them again, and routes them anew
                 self._known.difference_update(m.message_id for m in released)
 
-    def _link(self, route: routes.Route) -> Link:
+    def _link(self, route: routes.Route) -> links.Link:
         link = self._links.get(route.address)
         if link is None:
-            link = self._links[route.address] = Link(route.address, route.broker_instance)
+            link = self._links[route.address] = links.Link(route.address, route.broker_instance)
         elif route.broker_instance is not None:
             self._expect(link, route.broker_instance)
         return link
 
-    def _expect(self, link: Link, instance: str | None) -> None:
+    def _expect(self, link: links.Link, instance: str | None) -> None:
         """From now on the link sends only to broker ``instance`` (any, with ``None``): a
         connection to another broker stops carrying its messages (it stays open for what
         that broker sends us), and the next connection is checked in its handshake."""
@@ -624,7 +623,7 @@ class TransportEndpoint:
             if link.has_work():
                 self._connect(link)
 
-    def _connect(self, link: Link) -> None:
+    def _connect(self, link: links.Link) -> None:
         """Give the link a connection: adopt one the peer dialled, else dial."""
         if link.connection is not None or link.dialing is not None or self._stopping.is_set():
             return
@@ -638,10 +637,10 @@ class TransportEndpoint:
                 return
         link.dialing = asyncio.create_task(self._dial(link), name=f"dial {link.address}")
 
-    def _acceptable(self, link: Link, conn: Connection) -> bool:
+    def _acceptable(self, link: links.Link, conn: links.Connection) -> bool:
         return link.expected_instance is None or link.expected_instance == conn.peer_broker
 
-    def _attach(self, link: Link, conn: Connection) -> None:
+    def _attach(self, link: links.Link, conn: links.Connection) -> None:
         link.connection = conn
         link.last_error = None
         conn.link = link
@@ -652,7 +651,7 @@ class TransportEndpoint:
                 link.start_round(message, now)
         conn.wake.set()
 
-    async def _dial(self, link: Link) -> None:
+    async def _dial(self, link: links.Link) -> None:
         delay = DIAL_RETRY_FIRST
         try:
             while link.has_work() and not self._stopping.is_set():
@@ -690,7 +689,7 @@ class TransportEndpoint:
             if link.dialing is asyncio.current_task():
                 link.dialing = None
 
-    async def _open(self, link: Link, waiting_for: list[str]) -> Connection:
+    async def _open(self, link: links.Link, waiting_for: list[str]) -> links.Connection:
         """Dial ``link``'s address and run the dialler's side of the handshake
         (frames.py): nothing but the HELLO is written before the far side has proved
         that it holds the transport key. ``waiting_for`` is kept at what it waits for
@@ -774,7 +773,7 @@ class TransportEndpoint:
         except BaseException:
             writer.close()
             raise
-        conn = Connection(
+        conn = links.Connection(
             reader,
             writer,
             direction="outbound",
@@ -956,7 +955,7 @@ class TransportEndpoint:
             return False
         finally:
             self._handshakes.pop(writer, None)
-        conn = Connection(
+        conn = links.Connection(
             reader,
             writer,
             direction="inbound",
@@ -969,7 +968,7 @@ class TransportEndpoint:
         self._adopt(conn)
         return True
 
-    def _adopt(self, conn: Connection) -> None:
+    def _adopt(self, conn: links.Connection) -> None:
         """An inbound connection proved itself: carry our messages for the address it
         listens at on it, instead of dialling back."""
         link = self._links.get(conn.peer_address or "")
@@ -991,14 +990,14 @@ class TransportEndpoint:
 
     # --- a connection's reader and writer ----------------------------------------------
 
-    def _serve(self, conn: Connection) -> None:
+    def _serve(self, conn: links.Connection) -> None:
         self._connections.add(conn)
         conn.tasks = [
             asyncio.create_task(self._read_loop(conn), name=f"read {conn.peer}"),
             asyncio.create_task(self._write_loop(conn), name=f"write {conn.peer}"),
         ]
 
-    async def _read_loop(self, conn: Connection) -> None:
+    async def _read_loop(self, conn: links.Connection) -> None:
         reason = "closed by the peer"
         try:
             while True:
@@ -1041,7 +1040,7 @@ class TransportEndpoint:
             reason = f"reader failed: {_describe(exc)}"
         await self._close(conn, reason)
 
-    async def _queue_incoming(self, fragment: delivery.Fragment, conn: Connection) -> None:
+    async def _queue_incoming(self, fragment: delivery.Fragment, conn: links.Connection) -> None:
         """Hand a fragment to the storing thread; while storing lags, wait (the reader
         reads no more: backpressure) but keep telling the peer that we are alive — it
         would take the silence for a dead connection and dial again, resending its
@@ -1058,7 +1057,7 @@ class TransportEndpoint:
         finally:
             put.cancel()  # done already, unless this reader itself was cancelled
 
-    def _on_frame(self, conn: Connection, frame: frames.Frame) -> delivery.Fragment | None:
+    def _on_frame(self, conn: links.Connection, frame: frames.Frame) -> delivery.Fragment | None:
         """Act on a frame's acknowledgements and refusals; the fragment it carries."""
         header = frame.header
         conn.ping_sent_at = None  # anything from the peer answers a PING
@@ -1093,7 +1092,7 @@ class TransportEndpoint:
             raise frames.GarbageFrame(f"malformed {frame.kind.name} header: {exc!r}") from None
         return None
 
-    async def _write_loop(self, conn: Connection) -> None:
+    async def _write_loop(self, conn: links.Connection) -> None:
         writer = conn.writer
         try:
             while not conn.closed:
@@ -1133,7 +1132,7 @@ class TransportEndpoint:
             log.exception("transport: writing to %s failed", conn.peer)
             await self._close(conn, f"writer failed: {_describe(exc)}")
 
-    def _next_frame(self, conn: Connection) -> bytes | None:
+    def _next_frame(self, conn: links.Connection) -> bytes | None:
         """The next frame for a connection: a fragment of its link (with the pending
         acknowledgements on it), else rejections, else acknowledgements alone."""
         link = conn.link if conn.link is not None and conn.link.connection is conn else None
@@ -1175,7 +1174,7 @@ class TransportEndpoint:
             return conn.seal(frames.Kind.ACK, header, None)
         return None
 
-    async def _close(self, conn: Connection, reason: str) -> None:
+    async def _close(self, conn: links.Connection, reason: str) -> None:
         if conn.closed:
             return
         conn.closed = True
@@ -1198,7 +1197,7 @@ class TransportEndpoint:
 
     # --- acknowledgements and rejections -----------------------------------------------
 
-    def _on_ack(self, key: tuple[str, bool, int], index: int, conn: Connection) -> None:
+    def _on_ack(self, key: tuple[str, bool, int], index: int, conn: links.Connection) -> None:
         message = self._by_key.get(key)
         if message is None or not 0 <= index < len(message.fragments):
             return
@@ -1209,7 +1208,7 @@ class TransportEndpoint:
             self._drop(message)
             self._acked.append((message.message_id, message.handle, message.seq))
 
-    def _on_reject(self, key: tuple[str, bool, int], reason: str, conn: Connection) -> None:
+    def _on_reject(self, key: tuple[str, bool, int], reason: str, conn: links.Connection) -> None:
         message = self._by_key.get(key)
         if message is None or conn.peer_address != message.address:
             return  # (see _on_ack)
@@ -1228,7 +1227,7 @@ class TransportEndpoint:
         message.backoff = min(message.backoff * 2, self.retry_max)
         self._status(message, f"refused by broker {conn.peer_broker}: {reason}", 0)
 
-    def _status(self, message: Outgoing, status: str, attempts: int) -> None:
+    def _status(self, message: links.Outgoing, status: str, attempts: int) -> None:
         previous = self._statuses.get(message.message_id)
         if previous is None or previous[0] != status or attempts:
             counted = attempts + (previous[1] if previous else 0)
@@ -1566,7 +1565,7 @@ def read_key(path: str | None, env: str = "SCHEDULER_LIB_TRANSPORT_KEY") -> byte
 
 
 @contextlib.contextmanager
-def running(broker: Broker, **options: Any) -> Iterator[TransportEndpoint]:
+def running(broker: brokers.Broker, **options: Any) -> Iterator[TransportEndpoint]:
     """A started endpoint for the ``with`` block."""
     endpoint = TransportEndpoint(broker, **options).start()
     try:
