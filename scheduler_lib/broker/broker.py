@@ -21,13 +21,12 @@ from scheduler_lib.broker import (
     counters,
     exceptions,
     failures,
-    models,
     routes,
     schema,
 )
 from scheduler_lib.broker import leases as leasing
 from scheduler_lib.broker import validation as checks
-from scheduler_lib.broker.db import connections, session, store, waiting
+from scheduler_lib.broker.db import connections, dialects, session, store, waiting
 from scheduler_lib.broker.db import engine as engines
 from scheduler_lib.broker.ops import leases as leasing_ops
 from scheduler_lib.broker.ops import poison as poisoning
@@ -62,7 +61,7 @@ class Transaction(
         self._broker = broker
         #: the connection and what this transaction's operations did (the broker's own
         #: operations use it; a layer above uses the named-query methods below)
-        self.session = session.Session(broker, autocommit=autocommit, engine=engine)
+        self.session = session.Session(broker._shared, autocommit=autocommit, engine=engine)
         self.session.serves(self)
 
     # --- lifecycle -------------------------------------------------------------------
@@ -179,10 +178,6 @@ class Broker(
         self._async_engine: sa.Engine | None = None  # commits without the WAL flush
         self._read_engine: sa.Engine | None = None  # SQLite's snapshots (snapshot())
         self._async_engine_lock = threading.Lock()
-        self.max_message_size = max_message_size
-        # Message type -> validation, for SEND's fast path; the statement re-checks the
-        # validation in the database, so a stale entry costs a slow path, never a wrong send.
-        self._validation_cache: dict[str, models.Validation] = {}
         if migrate:
             self.retrying(lambda: _migrating(self._engine), what="migrate")
         self.clock = clock
@@ -190,10 +185,23 @@ class Broker(
         self._write_gate: threading.RLock | None = (
             threading.RLock() if self._store.features.single_writer else None
         )
-        self._write_gate_timeout: float = engines.SQLITE_BUSY_TIMEOUT
         # This process's waiting readers: wakeups, registrations, monitors' notes
         self.waiting = waiting.Waiting(
             self._engine, self._store, self.availability, clock, self._write_gate
+        )
+        # What its transactions' sessions use of it, and nothing else. SEND's cache of
+        # validations feeds its fast path; the statement re-checks the validation in the
+        # database, so a stale entry costs a slow path, never a wrong send.
+        self._shared = session.Shared(
+            store=self._store,
+            engine=self._engine,
+            autocommit_engine=self._autocommit_engine,
+            write_gate=self._write_gate,
+            write_gate_timeout=engines.SQLITE_BUSY_TIMEOUT,
+            waiting=self.waiting,
+            after_commit=self._after_commit,
+            count_rollbacks=self._count_rollbacks,
+            max_message_size=max_message_size,
         )
         self._lease_keeper: leasing.LeaseKeeper | None = None  # started on first use
         self._lease_keeper_lock = threading.Lock()
@@ -241,6 +249,15 @@ class Broker(
         :raises DatabaseUnavailable: the database stayed away past the deadline
         """
         return self.availability.retrying(call, what=what)
+
+    @property
+    def max_message_size(self) -> int:
+        """The largest body SEND accepts, in bytes."""
+        return self._shared.max_message_size
+
+    @max_message_size.setter
+    def max_message_size(self, size: int) -> None:
+        self._shared.max_message_size = size
 
     def has_query(self, query: str) -> bool:
         """Whether this database's dialect has the named query (some exist on one only)."""
@@ -295,8 +312,6 @@ class Broker(
         if not duration:
             raise exceptions.InvalidArgument("a lease needs a duration greater than 0 seconds")
         holder = worker or poisoning.worker_name()
-        if not self._store.has(query):
-            return self.take(queue, 1, timeout, lease=duration, worker=holder, durable=False), None
         record = leasing_ops.Record(query, params, durable)
         wait = checks.timeout(timeout)
         taken = self.retrying(  # as every operation on the broker, through a lost connection
@@ -426,7 +441,15 @@ class Broker(
 
     @property
     def dialect(self) -> str:
+        """The database's SQLAlchemy dialect name (``sqlite``, ``postgresql``)."""
         return self._store.dialect
+
+    @property
+    def features(self) -> dialects.Dialect:
+        """What the broker does on this database, chosen once from its dialect (the
+        one-statement paths, the wake-ups, the locking): a layer above builds its own
+        fast paths on these."""
+        return self._store.features
 
     def transaction(self) -> Transaction:
         """A transaction for several operations; use it as a context manager."""
@@ -551,9 +574,9 @@ class Broker(
             try:
                 while self.fire_timers():
                     pass
-                with connections.connect(self._engine) as conn:
-                    deadline = self._store.scalar(conn, "next_deadline")
-                    conn.commit()  # it only read; a ROLLBACK would drop the prepared statements
+                # A snapshot: on SQLite it stays out of the write gate
+                with self.snapshot() as tx:
+                    deadline = timers.next_deadline(tx.session)
                 self.availability.mark_ok()
             except (exceptions.ConnectionLost, exceptions.DatabaseUnavailable) as exc:
                 # This thread looks every second: it notices an outage (and its end) for

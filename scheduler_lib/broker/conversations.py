@@ -103,7 +103,7 @@ class ConversationOperations:
             # A transaction: a lost lease must undo the SEND, and the row goes with it
             with self._operation() as tx:
                 session = tx.session
-                data = checks.body_bytes(body, session.broker.max_message_size)
+                data = checks.body_bytes(body, session.shared.max_message_size)
                 lease_id = None if completing is None else completing.lease_id
                 seq, ran = sending.fast(session, handle, message_type, data, lease_id, before)
                 if before is not None and not ran:
@@ -115,7 +115,7 @@ class ConversationOperations:
                     leases.complete(session, completing)
                 return sending.checked(session, handle, message_type, data)
         with self._single_statement() as tx:
-            data = checks.body_bytes(body, tx.session.broker.max_message_size)
+            data = checks.body_bytes(body, tx.session.shared.max_message_size)
             seq, _ = sending.fast(tx.session, handle, message_type, data)
             if seq is not None:
                 return seq

@@ -290,7 +290,9 @@ class TaskScheduler:
         return self._send(handle, checked, wave) if checked else []
 
     def _send(self, handle: SchedulerHandle, tasks: Sequence[Task], wave: int | None) -> list[int]:
-        if self.broker.has_query("log_insert_many"):
+        # Where SEND is one statement (PostgreSQL) the rows ride in its round trip, with
+        # their ids taken ahead from the log's sequence (the PostgreSQL queries).
+        if self.broker.features.one_statement_send:
             return self._send_batch(handle, tasks, wave)
         log_ids = []
         with self.broker.transaction() as tx:

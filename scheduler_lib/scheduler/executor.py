@@ -155,7 +155,7 @@ class Executor:
         # reader at once; the durable commit of the task's start flushes it before the
         # task runs (a crash before that puts the message back: nothing ran).
         recorded: frozenset[str] = frozenset()  # leases whose start the take recorded
-        if self.spark_application is None and self.broker.has_query("log_start_taken"):
+        if self.spark_application is None and self.broker.features.one_statement_take:
             # PostgreSQL: that start is a second transaction in the take's round trip,
             # saving one per task (a task it did not start is started below). With a
             # Spark application the start also names the job group: recorded below.

@@ -445,7 +445,7 @@ def run(
             for query in FAST_PATHS:
                 del store._queries[query]
         # Warm, as a broker that has sent every type once (SEND's fast path needs it)
-        broker._validation_cache.update(broker.message_types())
+        broker._shared.validation_cache.update(broker.message_types())
         world = World(broker, database.conn)
         case.given(world)
         before = world.snapshot()

@@ -15,9 +15,10 @@ session (``tx.session``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -26,28 +27,34 @@ from scheduler_lib.broker import counters, exceptions, models
 from scheduler_lib.broker.db import connections, store, waiting, wakeup
 
 
-class Owner(Protocol):
-    """What a session needs of the broker it belongs to (a ``Broker``): declared here so
-    that this module, below every operation, imports none of them."""
+@dataclasses.dataclass(eq=False)
+class Shared:
+    """What the sessions of one broker share, handed over once by the broker (a
+    ``Broker``) that builds it: this module, below every operation, imports none of
+    them, and a session reaches nothing of the broker but this."""
 
-    _store: store.Store
-    _engine: sa.Engine
-    _autocommit_engine: sa.Engine | None
-    _write_gate: threading.RLock | None
-    _write_gate_timeout: float
+    store: store.Store
+    engine: sa.Engine
+    #: PostgreSQL: connections always in autocommit, for single-statement operations
+    autocommit_engine: sa.Engine | None
+    #: SQLite: one writing transaction at a time in this process, handed over in turn
+    write_gate: threading.RLock | None
+    write_gate_timeout: float  # seconds a transaction waits for the gate
     waiting: waiting.Waiting  # this process's waiting readers (WAITFOR)
-
-    def _after_commit(self, queues: frozenset[str], deadline: float | None) -> None: ...
-
-    def _count_rollbacks(self, queues: frozenset[str]) -> None: ...
-
-    # What the operations over a session (``ops/``) use of their broker's process state
-    # besides its waiting readers: SEND's cache of message types' validations.
-    _validation_cache: dict[str, models.Validation]
-    max_message_size: int
+    #: after a commit: wake this process's waiters on these queues; the soonest timer,
+    #: lease or park the transaction set (the timer thread may have to look sooner)
+    after_commit: Callable[[frozenset[str], float | None], None]
+    #: after a rollback of a transaction that received from these queues (poison
+    #: message detection counts it, in a transaction of its own)
+    count_rollbacks: Callable[[frozenset[str]], None]
+    #: SEND's cache of message types' validations (message type -> validation)
+    validation_cache: dict[str, models.Validation] = dataclasses.field(default_factory=dict)
+    max_message_size: int = 0  # bytes; the largest body SEND accepts
 
     @property
-    def url(self) -> sa.URL: ...
+    def url(self) -> sa.URL:
+        """The database's URL."""
+        return self.engine.url
 
 
 class InTransaction(Protocol):
@@ -62,18 +69,18 @@ class InTransaction(Protocol):
 class Session:
     """One database transaction of a broker, from its first statement to its end.
 
-    :param broker: the broker whose engine, store, wakeups and counters it uses
+    :param shared: what the sessions of its broker share (engines, store, wake-ups)
     :param autocommit: single-statement operations: each statement commits as it runs
     :param engine: another engine's connections (``Broker.snapshot``'s; the take's,
         whose commits do not wait for the WAL flush), without the SQLite write gate
     """
 
     def __init__(
-        self, broker: Owner, *, autocommit: bool = False, engine: sa.Engine | None = None
+        self, shared: Shared, *, autocommit: bool = False, engine: sa.Engine | None = None
     ) -> None:
-        self.broker = broker
-        self.store = broker._store
-        self.waiting = broker.waiting  # this process's waiting readers (WAITFOR)
+        self.shared = shared
+        self.store = shared.store
+        self.waiting = shared.waiting  # this process's waiting readers (WAITFOR)
         self.autocommit = autocommit  # only for single-statement operations
         # The transport's batches share their queue lookups here (None: not cached).
         self.queue_cache: dict[str, models.QueueInfo] | None = None
@@ -159,8 +166,8 @@ class Session:
         if self._connection is None:
             engine = self._engine
             if engine is None and self.autocommit:
-                engine = self.broker._autocommit_engine
-            self._connection = connections.connect(engine or self.broker._engine)
+                engine = self.shared.autocommit_engine
+            self._connection = connections.connect(engine or self.shared.engine)
         if self._engine is None:
             self._enter_gate()
         return self._connection
@@ -304,7 +311,7 @@ class Session:
         if self._catalog_changed:
             woken.add(wakeup.CATALOG)
             self.waiting.waited_queues.clear()  # RECEIVEs here see the change at once
-        self.broker._after_commit(frozenset(woken), self._next_deadline)
+        self.shared.after_commit(frozenset(woken), self._next_deadline)
 
     def rollback(self) -> None:
         """Roll back: nothing this transaction did remains; received messages are back."""
@@ -330,7 +337,7 @@ class Session:
         # A rolled-back RECEIVE put messages back: their queue monitors look again, and
         # built-in poison message detection counts the rollback.
         if self._receipts and not self._lost:
-            self.broker._count_rollbacks(frozenset(self._receipts))
+            self.shared.count_rollbacks(frozenset(self._receipts))
         self.waiting.wakeups.notify(self._received_queues)
 
     @contextlib.contextmanager
@@ -379,10 +386,10 @@ class Session:
         """SQLite: take this process's write gate before BEGIN IMMEDIATE. Threads of one
         process then queue for the write lock in turn instead of racing SQLite's sleeping
         busy handler, which lets a thread that commits and begins again starve the rest."""
-        gate = self.broker._write_gate
+        gate = self.shared.write_gate
         if gate is None or self._in_gate:
             return
-        if not gate.acquire(timeout=self.broker._write_gate_timeout):
+        if not gate.acquire(timeout=self.shared.write_gate_timeout):
             raise exceptions.DatabaseError(
                 "timed out waiting for another transaction of this process to end",
                 hint="on SQLite one transaction writes at a time; keep transactions short",
@@ -392,5 +399,5 @@ class Session:
     def _leave_gate(self) -> None:
         if self._in_gate:
             self._in_gate = False
-            assert self.broker._write_gate is not None
-            self.broker._write_gate.release()
+            assert self.shared.write_gate is not None
+            self.shared.write_gate.release()

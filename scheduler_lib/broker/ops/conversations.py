@@ -111,7 +111,7 @@ def send_many(
         raise exceptions.InvalidArgument(f"bodies must be a list, got {type(bodies).__name__}")
     if not bodies:
         return []
-    data = [checks.body_bytes(b, session.broker.max_message_size) for b in bodies]
+    data = [checks.body_bytes(b, session.shared.max_message_size) for b in bodies]
     first, ran = sending.many_fast(session, handle, message_type, data, before)
     if before is not None and not ran:
         session.mark_written()

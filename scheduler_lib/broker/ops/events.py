@@ -48,12 +48,12 @@ def post(
         {
             "EventType": event_type,
             "PostTime": time.time() if now is None else now,
-            "DatabaseName": session.broker.url.database,
+            "DatabaseName": session.shared.url.database,
             "ObjectName": queue,
             **(fields or {}),
         }
     )
-    data = checks.body_bytes(body, session.broker.max_message_size)
+    data = checks.body_bytes(body, session.shared.max_message_size)
     for subscriber in subscribers:
         handle = subscriber["conversation_handle"]
         row = None if handle is None else session.one("endpoint_get", handle=handle)

@@ -19,7 +19,7 @@ from typing import Any
 
 from scheduler_lib.broker import counters, exceptions, models
 from scheduler_lib.broker.db import session as sessions
-from scheduler_lib.broker.db import waiting as waiting_mod
+from scheduler_lib.broker.db import waiting as waits
 from scheduler_lib.broker.ops import poison, receiving
 
 log = logging.getLogger(__name__)
@@ -40,17 +40,16 @@ class Lease:
     taken_at: float | None = None  # when its take committed (the one-statement take)
 
 
+@dataclasses.dataclass(eq=False)
 class Record:
     """A named statement run right after a one-statement take that got leases, in its
-    round trip (``Broker.take_recorded``); ``rows``: what it returned, ``None`` when it
-    did not run or its outcome is unknown; ``durable``: whether its commit waits for the
-    WAL flush."""
+    round trip (``Broker.take_recorded``)."""
 
-    def __init__(self, query: str, params: dict[str, Any], durable: bool = True) -> None:
-        self.query = query
-        self.params = params
-        self.durable = durable
-        self.rows: list[tuple[Any, ...]] | None = None
+    query: str
+    params: dict[str, Any]
+    durable: bool = True  # whether its commit waits for the WAL flush
+    #: what it returned; ``None`` when it did not run or its outcome is unknown
+    rows: list[tuple[Any, ...]] | None = None
 
 
 class NeedsCheckedTake(Exception):
@@ -245,7 +244,7 @@ def _taken(
 
 
 def take_waiting(
-    waiting: waiting_mod.Waiting,
+    waiting: waits.Waiting,
     queue: str,
     timeout: float | None,
     look: Callable[[], list[Lease]],

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from scheduler_lib.broker import counters, models
 from scheduler_lib.broker.db import session as sessions
 from scheduler_lib.broker.db import store
-from scheduler_lib.broker.db import waiting as waiting_mod
+from scheduler_lib.broker.db import waiting as waits
 from scheduler_lib.broker.ops import endpoints
 
 T = TypeVar("T")
@@ -189,7 +189,7 @@ def wait_for(
     attempt: Callable[[], T],
     empty: T,
     *,
-    waiting: waiting_mod.Waiting | None = None,
+    waiting: waits.Waiting | None = None,
     unfiltered: bool = True,
     looked: tuple[int, Callable[[], T]] | None = None,
     in_turns: bool = False,

@@ -40,7 +40,7 @@ def fast(
 
     :raises LeaseLost: when the lease was gone (the transaction must roll back)
     """
-    cached = session.broker._validation_cache.get(message_type)
+    cached = session.shared.validation_cache.get(message_type)
     if cached is None or not session.store.features.one_statement_send:
         return None, False
     if not passes(message_type, cached, [data]):
@@ -85,7 +85,7 @@ def many_fast(
     validation is known: the first sequence number, or ``None`` ("send them one by one
     on the checked path") — and whether ``before`` ran, in the same round trip, ahead of
     the SEND."""
-    cached = session.broker._validation_cache.get(message_type)
+    cached = session.shared.validation_cache.get(message_type)
     if cached is None or not session.store.features.one_statement_send:
         return None, False
     if not passes(message_type, cached, data):
@@ -121,7 +121,7 @@ def checked(session: sessions.Session, handle: str, message_type: str, data: byt
     if mt is None:
         raise exceptions.MessageTypeNotFound(f"message type {message_type!r} does not exist")
     validation = models.Validation(mt["validation"])
-    session.broker._validation_cache[message_type] = validation
+    session.shared.validation_cache[message_type] = validation
     allowed = {
         r["message_type_name"]: models.SentBy(r["sent_by"])
         for r in session.all("contract_message_types", name=near.contract_name)
@@ -183,7 +183,7 @@ def remote_many(
 ) -> list[int]:
     """The rest of a ``send_many`` to another broker, after its first message went
     the checked way (so the contract, direction and state are known to be fine)."""
-    validation = session.broker._validation_cache[message_type]
+    validation = session.shared.validation_cache[message_type]
     for body in data:
         checks.check_body(message_type, validation, body)
     near = endpoints.endpoint(session, handle)

@@ -13,6 +13,13 @@ LIFETIME_EXPIRED_CODE = -8489  # SQL Server's code for "the dialog has exceeded 
 LIFETIME_RETRY = 1.0  # seconds before expiry looks again at an ended endpoint whose group is held
 
 
+def next_deadline(session: sessions.Session) -> float | None:
+    """The soonest instant (epoch seconds) a timer, a lifetime, a lease or a parked
+    poison message falls due; ``None``: nothing is waiting."""
+    deadline = session.scalar("next_deadline")
+    return None if deadline is None else float(deadline)
+
+
 def fire_due(session: sessions.Session, now: float, limit: int = 100) -> int:
     """Put ``DialogTimer`` and lifetime ``Error`` messages on their queues; how many."""
     fired = 0
