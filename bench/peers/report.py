@@ -71,8 +71,10 @@ WHY = {
     "dispatch": (
         "Measured from the `exec_async` call to the first line of the task's handler "
         "(`bench.peers.handlers.noop`, as each peer's handler is timed): the caller's "
-        "transaction (the row and the SEND in one round trip, then the durable COMMIT that "
-        "sends the NOTIFY), the worker's listener woken, one reader woken (not all four), its"
+        "SEND (since 2026-11-29 its row rides inside the SEND's own statement: one "
+        "autocommit round trip, whose durable commit sends the NOTIFY; before, a "
+        "transaction: the row and the SEND in one round trip, then the COMMIT), the "
+        "worker's listener woken, one reader woken (not all four), its"
         " take and the task's durable start in one round trip, and the call of the task. "
         "`python -m bench.dispatch_breakdown` splits it (run at f49d934, 2026-11-27 13:58, "
         "its table further down, medians of 200): `exec_async` took 2.65 ms after a 20-40 "

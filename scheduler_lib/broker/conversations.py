@@ -81,9 +81,14 @@ class ConversationOperations:
         :param body: bytes, str (sent as UTF-8) or None
         :param completing: a lease this message answers: it ends with the SEND, as
             :meth:`complete` would, atomically (one statement on PostgreSQL)
-        :param before: a named statement (of :meth:`Broker.use_queries`) and its binds to
-            run first, in the same transaction — on PostgreSQL in the same round trip as
-            the SEND: the row a layer above records with what it sends
+        :param before: a named statement (of :meth:`Broker.use_queries`) and its binds:
+            the row a layer above records with what it sends, written with the message
+            or not at all. On PostgreSQL an ``INSERT ... SELECT ...`` without a FROM rides
+            inside the SEND's own statement (on the broker itself a transaction of its
+            own in one round trip: a connection lost before the reply raises
+            :class:`ConnectionLost` with ``committing`` set, as the row can tell whether
+            it went); another statement runs first in the same round trip, in a
+            transaction
         :return: the message's sequence number in the conversation
         :raises LeaseLost: when ``completing`` expired or ended meanwhile (roll back)
         :raises ConversationNotFound: for an unknown handle
@@ -99,6 +104,12 @@ class ConversationOperations:
                 f"{message_type!r} is a system message type",
                 hint="end_conversation() sends EndDialog and Error",
             )
+        if before is not None and completing is None:
+            # ``before`` inside the SEND's one statement, where it can ride there: a
+            # transaction of its own, in one round trip
+            seq = self._send_riding(handle, message_type, body, before)
+            if seq is not None:
+                return seq
         if completing is not None or before is not None:
             # A transaction: a lost lease must undo the SEND, and the row goes with it
             with self._operation() as tx:
@@ -121,6 +132,31 @@ class ConversationOperations:
                 return seq
         with self._operation() as tx:
             return sending.checked(tx.session, handle, message_type, data)
+
+    def _send_riding(
+        self, handle: str, message_type: str, body: checks.Body, before: sending.Before
+    ) -> int | None:
+        """SEND with ``before`` inside its one statement (``Store.riding``), in autocommit
+        on the broker itself; ``None``: nothing was written, take the transaction's way
+        (inside a transaction, another dialect, a statement that cannot ride, the
+        checked path)."""
+        with self._single_statement() as tx:
+            session = tx.session
+            if not session.autocommit:
+                return None
+            data = checks.body_bytes(body, session.shared.max_message_size)
+            session.connection()  # a refused connection did nothing: tried again
+            try:
+                seq, _ = sending.fast(session, handle, message_type, data, None, before)
+            except exceptions.ConnectionLost as exc:
+                # The statement commits as it runs: lost before its reply, the message
+                # and the row may both be there. Not run again blindly; the caller can
+                # tell (by the row).
+                raise exceptions.ConnectionLost(
+                    f"{exc} (the SEND commits as it runs: it may have happened)",
+                    committing=True,
+                ) from exc
+            return seq
 
     def send_many(
         self,

@@ -466,8 +466,9 @@ class TaskScheduler:
     def _send_batch(
         self, handle: SchedulerHandle, tasks: Sequence[Task], wave: int | None
     ) -> list[int]:
-        """Tasks (one or a wave) in two round trips (PostgreSQL): their rows and their
-        messages together, then the commit. Their log ids were taken ahead, in blocks."""
+        """Tasks on PostgreSQL: one task in one round trip (its row inside the SEND's
+        statement, in autocommit); a wave in two (the rows and the messages together, then
+        the commit). Their log ids were taken ahead, in blocks."""
         bodies = [json.dumps(t.to_dict()) for t in tasks]
         log_ids = self._next_log_ids(len(tasks))
         common = {
@@ -486,36 +487,38 @@ class TaskScheduler:
         ]
 
         def send() -> None:
+            if len(tasks) == 1:
+                [task] = tasks
+                row = {
+                    "log_id": log_ids[0],
+                    "name": task.label[:256],
+                    "kind": task.kind,
+                    "body": bodies[0],
+                    **common,
+                }
+                # The row inside the SEND's own statement: one round trip, committed
+                # with the message (a transaction of the broker's where it cannot be)
+                self.broker.send(
+                    handle.conversation_handle,
+                    self.names.sent,
+                    messages[0],
+                    before=("log_insert_one", row),
+                )
+                return
+            rows = {
+                "log_ids": log_ids,
+                "names": [t.label[:256] for t in tasks],
+                "kinds": [t.kind for t in tasks],
+                "bodies": bodies,
+                **common,
+            }
             with self.broker.transaction() as tx:
-                if len(tasks) == 1:
-                    [task] = tasks
-                    row = {
-                        "log_id": log_ids[0],
-                        "name": task.label[:256],
-                        "kind": task.kind,
-                        "body": bodies[0],
-                        **common,
-                    }
-                    tx.send(
-                        handle.conversation_handle,
-                        self.names.sent,
-                        messages[0],
-                        before=("log_insert_one", row),
-                    )
-                else:
-                    rows = {
-                        "log_ids": log_ids,
-                        "names": [t.label[:256] for t in tasks],
-                        "kinds": [t.kind for t in tasks],
-                        "bodies": bodies,
-                        **common,
-                    }
-                    tx.send_many(
-                        handle.conversation_handle,
-                        self.names.sent,
-                        messages,
-                        before=("log_insert_many", rows),
-                    )
+                tx.send_many(
+                    handle.conversation_handle,
+                    self.names.sent,
+                    messages,
+                    before=("log_insert_many", rows),
+                )
 
         self._exactly_once(send, sent=lambda: bool(self.broker.fetch("log_get", log_id=log_ids[0])))
         handle.in_flight += len(log_ids)

@@ -104,14 +104,19 @@ class Point:
 
 POINTS = [
     # -- the caller's send ------------------------------------------------------------
-    # its row and its message in one round trip (log_insert_one + send_fast)
+    # its row inside its message's SEND, one autocommit statement (send_fast+log_insert_one)
     pytest.param(Point("log_insert_one", "send"), id="exec_async"),
-    # a new scheduler's first send: the row, then the checked SEND that makes the target
+    # ... which committed, and its reply was lost: the row says it went (sent once)
+    pytest.param(Point("log_insert_one", "send", reply_lost=True), id="exec_async-reply-lost"),
+    # a new scheduler's first send: a transaction, the row, then the checked SEND that
+    # makes the target
     pytest.param(Point("log_insert_one", "send", warm=False), id="exec_async-first"),
-    pytest.param(Point("log_insert_one", "send", at="commit"), id="exec_async-commit"),
     pytest.param(
-        Point("log_insert_one", "send", at="commit", reply_lost=True),
-        id="exec_async-commit-reply-lost",
+        Point("log_insert_one", "send", warm=False, at="commit"), id="exec_async-first-commit"
+    ),
+    pytest.param(
+        Point("log_insert_one", "send", warm=False, at="commit", reply_lost=True),
+        id="exec_async-first-commit-reply-lost",
     ),
     # a wave's send: log_insert_many + send_many_fast
     pytest.param(Point("log_insert_many", "send", tasks=3), id="exec_many"),
@@ -304,8 +309,12 @@ class RestartTrap:
         def patched_on_driver(
             self: Store, conn: sa.Connection, query: str, params: Mapping[str, Any]
         ) -> Any:
+            # A statement riding inside another (Store.riding) is both of them
             return trap._statement(
-                "_on_driver", conn, [query], lambda: on_driver(self, conn, query, params)
+                "_on_driver",
+                conn,
+                query.split("+"),
+                lambda: on_driver(self, conn, query, params),
             )
 
         def patched_pipeline(

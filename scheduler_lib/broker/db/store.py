@@ -6,6 +6,7 @@ named queries from ``sql/queries*.sql``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,18 @@ from scheduler_lib.broker.db import connections, dialects, queries
 TUPLES_OK = 2  # libpq's PGRES_TUPLES_OK: a statement that returned rows succeeded
 
 Row = Mapping[str, Any]
+BEFORE_PREFIX = "before_"  # a riding statement's binds, renamed apart from the SEND's
+# A statement that can ride inside a SEND (Store.riding): INSERT ... SELECT, no FROM.
+_RIDES = re.compile(
+    r"\s*(INSERT\s+INTO\s.*?\)\s*SELECT\s(?:(?!\bFROM\b)[^;])*?)\s*;?\s*",
+    re.DOTALL | re.IGNORECASE,
+)
+_BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")  # a named bind, as sqlalchemy.text reads it
+
+
+def before_binds(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A riding statement's binds under their names inside the SEND (:meth:`Store.riding`)."""
+    return {f"{BEFORE_PREFIX}{k}": v for k, v in params.items()}
 
 
 class Store:
@@ -32,6 +45,7 @@ class Store:
         self._driver_sql: dict[str, str] = {}
         self._columns: dict[str, list[str]] = {}  # query -> its result's column names
         self._packages: set[str] = set()
+        self._not_riding: set[str] = set()  # send+before pairs riding() said no to
 
     def extend(self, package: str) -> None:
         """Add the named queries of a layer above the broker (its ``sql/queries*.sql``),
@@ -104,6 +118,33 @@ class Store:
     def rows(self, conn: sa.Connection, query: str, /, **params: Any) -> list[tuple[Any, ...]]:
         """Run a named query on the driver's own cursor and return its rows as tuples."""
         return self._on_driver(conn, query, params)[1]
+
+    def riding(self, send: str, before: str) -> str | None:
+        """The name of one statement that is the one-statement SEND ``send`` with a layer's
+        ``before`` statement inside it, written only with the message; ``None`` when
+        ``before`` cannot ride there (it is not an ``INSERT ... SELECT`` without a FROM).
+
+        The SEND's ``sender`` CTE has one row when the message is sent and none
+        otherwise (every check guards it): ``before`` becomes a CTE of its own that
+        selects FROM it, so the row and the message commit together or not at all, in
+        one statement — in autocommit one round trip, where a pipeline needs BEGIN and
+        COMMIT around it. Its binds are renamed ``before_<name>`` (:func:`before_binds`).
+        """
+        name = f"{send}+{before}"
+        if name in self._queries:
+            return name
+        if name in self._not_riding:
+            return None
+        inner = _RIDES.fullmatch(self._queries[before].text)
+        head, sep, final = self._queries[send].text.rpartition("\nSELECT ")
+        if inner is None or not sep or "sender AS (" not in head:
+            self._not_riding.add(name)
+            return None
+        renamed = _BIND.sub(lambda m: f":{BEFORE_PREFIX}{m.group(1)}", inner.group(1))
+        self._queries[name] = sa.text(
+            f"{head},\n{BEFORE_PREFIX}row AS (\n{renamed}\nFROM sender\n)\nSELECT {final}"
+        )
+        return name
 
     def pipeline(
         self, conn: sa.Connection, statements: Sequence[tuple[str, Mapping[str, Any]]]

@@ -35,8 +35,9 @@ def fast(
 ) -> tuple[int | None, bool]:
     """SEND in one statement where the dialect has one and the message type's
     validation is known: its sequence number, or ``None`` for "use :func:`checked`" (the
-    SEND wrote nothing) — and whether ``before`` ran, in the same round trip, ahead of
-    it. With ``lease_id`` the SEND also ends that lease.
+    SEND wrote nothing) — and whether ``before`` ran: inside the SEND's statement where it
+    can ride there (``Store.riding``: then only with the message), else in the same round
+    trip, ahead of it (not in autocommit). With ``lease_id`` the SEND also ends that lease.
 
     :raises LeaseLost: when the lease was gone (the transaction must roll back)
     """
@@ -53,7 +54,16 @@ def fast(
         "now": time.time(),
         "lease_id": lease_id,
     }
-    if before is not None:
+    riding = None if before is None else session.store.riding("send_fast", before[0])
+    if riding is not None:
+        assert before is not None
+        # One statement: ``before`` writes only with the message (none back: neither ran)
+        rows = session.rows(riding, **send, **store.before_binds(before[1]))
+        if not rows:
+            return None, False
+    elif before is not None:
+        if session.autocommit:
+            return None, False  # a pipeline would commit ``before`` without the message
         _, rows = session.pipeline([before, ("send_fast", send)])
     else:
         rows = session.rows("send_fast", **send)

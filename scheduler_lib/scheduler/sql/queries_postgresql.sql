@@ -11,14 +11,16 @@ FROM generate_series(1, :n);
 
 -- name: log_insert_one
 -- ExecAsync of one task: its row, with the id taken above (plain binds: cheaper to send
--- than log_insert_many's arrays).
+-- than log_insert_many's arrays). An INSERT ... SELECT without FROM: as SEND's `before`
+-- it rides inside the SEND's own statement, which adds the FROM that writes it only
+-- with the message (Broker.send); the casts type the binds a SELECT list leaves unknown.
 INSERT INTO execution_log (
     log_id, caller_id, scheduler_handle, target_service, wave, task_name, task_kind,
     task_body, sent_at, start_time, status, attempts, dag_id, run_id, task_id
-) VALUES (
-    :log_id, :caller_id, :handle, :target, :wave, :name, :kind, :body, :now, :now,
-    'QUEUED', 0, :dag_id, :run_id, :task_id
-);
+)
+SELECT CAST(:log_id AS bigint), :caller_id, :handle, :target, CAST(:wave AS integer),
+    :name, :kind, :body, CAST(:now AS double precision), CAST(:now AS double precision),
+    'QUEUED', 0, :dag_id, :run_id, :task_id;
 
 -- name: log_insert_many
 -- ExecAsync for a wave: every task's row in one statement, with the ids taken above.

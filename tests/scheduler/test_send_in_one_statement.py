@@ -1,0 +1,135 @@
+"""One task's ``exec_async`` on PostgreSQL: its ``execution_log`` row rides inside the
+SEND's own statement (``Store.riding``), one autocommit round trip, and is written only
+with the message — never a row without its message, nor a message without its row."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+
+from scheduler_lib.broker import Broker, ConversationStateError
+from scheduler_lib.broker.db.store import Store
+from scheduler_lib.scheduler import Target, Task, TaskScheduler, init
+
+pytestmark = pytest.mark.postgres
+
+QUEUE = "QueueAsyncTarget"
+
+
+@pytest.fixture
+def sched(postgres_url: str) -> Iterator[Broker]:
+    broker = Broker(postgres_url, timers=False)
+    try:
+        init(broker, targets=[Target(activation=False)])
+        yield broker
+    finally:
+        broker.close()
+
+
+def _statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The named statements the store runs from now on, through each of its doors (a
+    statement on a connection in autocommit, a transaction of its own, marked so)."""
+    ran: list[str] = []
+    on_driver, pipeline, execute = Store._on_driver, Store.pipeline, Store.execute
+
+    def spied_on_driver(self: Store, conn: Any, query: str, params: Mapping[str, Any]) -> Any:
+        alone = conn.connection.driver_connection.autocommit
+        ran.append(f"{query} (autocommit)" if alone else query)
+        return on_driver(self, conn, query, params)
+
+    def spied_pipeline(self: Store, conn: Any, statements: Any) -> Any:
+        ran.append("pipeline:" + "+".join(q for q, _ in statements))
+        return pipeline(self, conn, statements)
+
+    def spied_execute(self: Store, conn: Any, query: str, /, **params: Any) -> Any:
+        ran.append(query)
+        return execute(self, conn, query, **params)
+
+    monkeypatch.setattr(Store, "_on_driver", spied_on_driver)
+    monkeypatch.setattr(Store, "pipeline", spied_pipeline)
+    monkeypatch.setattr(Store, "execute", spied_execute)
+    return ran
+
+
+def _row(scheduler: TaskScheduler, handle: Any, log_id: int) -> dict[str, Any]:
+    return {
+        "log_id": log_id,
+        "caller_id": scheduler.caller_id,
+        "handle": str(handle.conversation_handle),
+        "target": handle.target_service,
+        "wave": None,
+        "name": "t",
+        "kind": "python",
+        "body": "{}",
+        "now": time.time(),
+        **scheduler.context,
+    }
+
+
+def test_one_task_is_one_statement_with_its_row(
+    sched: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler = TaskScheduler(sched)
+    handle = scheduler.get_scheduler()
+    task = Task.python("builtins:print", name="t")
+    scheduler.exec_async(handle, task)  # the first one: caches filled, target made
+    ran = _statements(monkeypatch)
+    log_id = scheduler.exec_async(handle, task)
+    # One statement: the row inside the SEND (no BEGIN / pipeline / COMMIT around it)
+    assert ran == ["send_fast+log_insert_one (autocommit)"], ran
+    # And both are there, committed: the row (QUEUED) and its message
+    monkeypatch.undo()
+    (row,) = sched.fetch("log_get", log_id=log_id)
+    assert (row["status"], row["task_name"]) == ("QUEUED", "t")
+    queued = [m for m in sched.peek(QUEUE) if json.loads(m.body or b"{}")["log_id"] == log_id]
+    assert len(queued) == 1, queued
+
+
+def test_a_send_that_cannot_go_writes_no_row(sched: Broker) -> None:
+    scheduler = TaskScheduler(sched)
+    handle = scheduler.get_scheduler()
+    scheduler.exec_async(handle, Task.python("builtins:print", name="warm"))
+    # The scheduler's conversation ended on this side: no SEND can go on it
+    sched.end_conversation(handle.conversation_handle)
+    log_id = 10**12  # an id no sequence gave out
+    with pytest.raises(ConversationStateError):
+        sched.send(
+            handle.conversation_handle,
+            scheduler.names.sent,
+            "{}",
+            before=("log_insert_one", _row(scheduler, handle, log_id)),
+        )
+    # Nothing half-written: no row without its message
+    assert sched.fetch("log_get", log_id=log_id) == []
+
+
+def test_the_riding_statement_alone_writes_nothing_when_the_send_cannot_go(
+    sched: Broker,
+) -> None:
+    """The riding statement itself, without the transaction's checked path after it: a
+    SEND its checks refuse leaves no row (the FROM ``sender`` that guards the row)."""
+    scheduler = TaskScheduler(sched)
+    handle = scheduler.get_scheduler()
+    scheduler.exec_async(handle, Task.python("builtins:print", name="warm"))
+    sched.end_conversation(handle.conversation_handle)
+    store = sched._store
+    riding = store.riding("send_fast", "log_insert_one")
+    assert riding is not None
+    log_id = 10**12 + 1
+    with sched.transaction() as tx:
+        rows = tx.session.rows(
+            riding,
+            handle=str(handle.conversation_handle),
+            message_type=scheduler.names.sent,
+            validation="NONE",
+            body=b"{}",
+            now=time.time(),
+            lease_id=None,
+            **{f"before_{k}": v for k, v in _row(scheduler, handle, log_id).items()},
+        )
+    assert rows == []
+    assert sched.fetch("log_get", log_id=log_id) == []
