@@ -104,10 +104,11 @@ class ConversationOperations:
                 f"{message_type!r} is a system message type",
                 hint="end_conversation() sends EndDialog and Error",
             )
-        if before is not None and completing is None:
+        if before is not None:
             # ``before`` inside the SEND's one statement, where it can ride there: a
-            # transaction of its own, in one round trip
-            seq = self._send_riding(handle, message_type, body, before)
+            # transaction of its own, in one round trip (with the lease's end: a lost
+            # lease writes nothing, and the transaction's way below says so)
+            seq = self._send_riding(handle, message_type, body, before, completing)
             if seq is not None:
                 return seq
         if completing is not None or before is not None:
@@ -134,12 +135,17 @@ class ConversationOperations:
             return sending.checked(tx.session, handle, message_type, data)
 
     def _send_riding(
-        self, handle: str, message_type: str, body: checks.Body, before: sending.Before
+        self,
+        handle: str,
+        message_type: str,
+        body: checks.Body,
+        before: sending.Before,
+        completing: leases.Lease | None,
     ) -> int | None:
         """SEND with ``before`` inside its one statement (``Store.riding``), in autocommit
-        on the broker itself; ``None``: nothing was written, take the transaction's way
-        (inside a transaction, another dialect, a statement that cannot ride, the
-        checked path)."""
+        on the broker itself, ending ``completing`` with it; ``None``: nothing was
+        written, take the transaction's way (inside a transaction, another dialect, a
+        statement that cannot ride, the checked path, a lost lease)."""
         with self._single_statement() as tx:
             session = tx.session
             if not session.autocommit:
@@ -147,7 +153,8 @@ class ConversationOperations:
             data = checks.body_bytes(body, session.shared.max_message_size)
             session.connection()  # a refused connection did nothing: tried again
             try:
-                seq, _ = sending.fast(session, handle, message_type, data, None, before)
+                lease_id = None if completing is None else completing.lease_id
+                seq, _ = sending.fast(session, handle, message_type, data, lease_id, before)
             except exceptions.ConnectionLost as exc:
                 # The statement commits as it runs: lost before its reply, the message
                 # and the row may both be there. Not run again blindly; the caller can

@@ -450,6 +450,29 @@ class Executor:
         ended_at = time.time()
 
         def commit_outcome() -> None:
+            finishing = ("log_finish", {"now": ended_at, **finish})
+            if self.broker.features.one_statement_send:
+                # PostgreSQL: the answer, the lease's end and the row's end in one
+                # statement, in autocommit: one round trip and one commit, and the
+                # scheduler's endpoint, which every reader answers on, locked for no
+                # longer (a lost lease writes nothing: LeaseLost). A scheduler released
+                # meanwhile: the transaction below ends the row and the lease, no answer.
+                try:
+                    self._answer(
+                        self.broker,
+                        lease.message,
+                        log_id,
+                        status,
+                        error,
+                        encoded,
+                        origin,
+                        completing=lease,
+                        before=finishing,
+                        released_raises=True,
+                    )
+                    return
+                except (ConversationNotFound, ConversationStateError):
+                    pass
             with self.broker.transaction() as tx:
                 # The row's end goes first, in the answer's round trip; the answer ends the
                 # lease (a lost one rolls it all back) and goes last: its SEND locks the
@@ -463,7 +486,7 @@ class Executor:
                     encoded,
                     origin,
                     completing=lease,
-                    before=("log_finish", {"now": ended_at, **finish}),
+                    before=finishing,
                 )
 
         try:
@@ -529,7 +552,7 @@ class Executor:
 
     def _answer(
         self,
-        tx: Transaction,
+        on: Transaction | Broker,
         message: Any,
         log_id: int | None,
         status: str,
@@ -539,13 +562,14 @@ class Executor:
         *,
         completing: Lease | None = None,
         before: tuple[str, Mapping[str, Any]] | None = None,
+        released_raises: bool = False,
     ) -> None:
         extra = None
         if origin is not None:  # the initiator completes its own row from the answer
             log_id = origin.log_id
             extra = origin.answer(self.worker())
         answer(
-            tx,
+            on,
             message.conversation_handle,
             message.service_contract_name,
             log_id,
@@ -555,11 +579,12 @@ class Executor:
             extra,
             completing=completing,
             before=before,
+            released_raises=released_raises,
         )
 
 
 def answer(
-    tx: Transaction,
+    on: Transaction | Broker,
     handle: Any,
     contract: str,
     log_id: int | None,
@@ -570,23 +595,28 @@ def answer(
     *,
     completing: Lease | None = None,
     before: tuple[str, Mapping[str, Any]] | None = None,
+    released_raises: bool = False,
 ) -> None:
     """Send ``AsyncDone`` (the contract's target-sent type) on the scheduler's
-    conversation; a scheduler that was released meanwhile is not an error. ``extra``
-    goes with it for an initiator on another broker (who ran it, when); ``completing``
-    is the task's lease, which ends with the answer; ``before`` (a named statement and
-    its binds) runs first, in the same transaction and, on PostgreSQL, the same round
-    trip — and stays done when the scheduler was released.
+    conversation, in the transaction ``on`` (or, given the broker, in one of its own);
+    a scheduler that was released meanwhile is not an error (``released_raises``: it
+    raises, for a caller on the broker, whose SEND then did nothing). ``extra`` goes
+    with it for an initiator on another broker (who ran it, when); ``completing`` is
+    the task's lease, which ends with the answer; ``before`` (a named statement and its
+    binds) is written with it, in the same round trip on PostgreSQL — and, in a
+    transaction, stays done when the scheduler was released.
 
     :raises LeaseLost: when ``completing`` was gone (roll back: no answer)
     """
-    done = _done_type(tx, contract)
+    done = _done_type(on, contract)
     body = json.dumps(
         {"log_id": log_id, "status": status, "error": error, "result": result, **(extra or {})}
     )
     try:  # these are raised by the broker's own checks: the transaction stays usable
-        tx.send(handle, done, body, completing=completing, before=before)
+        on.send(handle, done, body, completing=completing, before=before)
     except (ConversationNotFound, ConversationStateError):
+        if released_raises:
+            raise
         # (a lease it completes was ended before the checked SEND raised this)
         log.info("task %s ended after its scheduler was released", log_id)
 
@@ -594,10 +624,10 @@ def answer(
 _done_types: dict[str, str] = {}
 
 
-def _done_type(tx: Transaction, contract: str) -> str:
+def _done_type(on: Transaction | Broker, contract: str) -> str:
     done = _done_types.get(contract)
     if done is None:
-        targets = [t for t, by in tx.contract(contract).items() if by is SentBy.TARGET]
+        targets = [t for t, by in on.contract(contract).items() if by is SentBy.TARGET]
         if len(targets) != 1:
             raise InvalidTask(
                 f"contract {contract!r} must have exactly one message type sent by the "

@@ -146,15 +146,20 @@ POINTS = [
         Point("lease_renew", "work", outage=2.0, expire_first=True, seconds=4.0, lease=1.5),
         id="lease-renewal",
     ),
-    # the answer: log_finish + send_fast (completing the lease) in one round trip
+    # the answer: log_finish inside send_fast (completing the lease), one autocommit
+    # statement (send_fast+log_finish)
     pytest.param(Point("log_finish", "work"), id="answer"),
-    pytest.param(Point("log_finish", "work", at="commit"), id="answer-commit"),
-    pytest.param(
-        Point("log_finish", "work", at="commit", reply_lost=True), id="answer-commit-reply-lost"
-    ),
-    # a new executor's first answer: log_finish, the lease's end, the checked SEND
+    # ... which committed, and its reply was lost: tried again, the lease is gone, and
+    # the row says the answer was this executor's (answered once)
+    pytest.param(Point("log_finish", "work", reply_lost=True), id="answer-reply-lost"),
+    # a new executor's first answer: a transaction, log_finish, the lease's end, the
+    # checked SEND
     pytest.param(Point("log_finish", "work", warm=False), id="answer-first"),
     pytest.param(Point("log_finish", "work", at="commit", warm=False), id="answer-first-commit"),
+    pytest.param(
+        Point("log_finish", "work", at="commit", reply_lost=True, warm=False),
+        id="answer-first-commit-reply-lost",
+    ),
     # -- the caller's synchronization -------------------------------------------------
     # the RECEIVE of an answer that waits: one statement in autocommit
     pytest.param(Point("receive_fast_conversation", "answered"), id="synchronization"),

@@ -44,3 +44,24 @@ def test_a_statement_with_a_from_or_values_does_not_ride() -> None:
     assert s.riding("send_fast", "values") is None
     assert s.riding("send_fast", "from_") is None
     assert s.riding("send_fast", "update") is None
+
+
+def test_an_update_with_a_where_rides_from_the_sender_row_without_its_columns() -> None:
+    s = _store(
+        finish="UPDATE t SET status = :status, end_time = :now WHERE id = :id AND who = :w;",
+        joined="UPDATE t SET a = u.a FROM u WHERE t.id = u.id AND u.k = :k",
+    )
+    name = s.riding("send_fast", "finish")
+    assert name == "send_fast+finish"
+    text = s._queries[name].text
+    # Written only where the sender row is: an UPDATE FROM it, under a name of no column
+    # of the sender's (message_sequence_number, fair_at), then its own WHERE
+    assert re.search(
+        r"before_row AS \(\s*UPDATE t SET status = :before_status, end_time = :before_now\s+"
+        r"FROM \(SELECT 1 AS before_sent FROM sender\) AS before_sent\s+"
+        r"WHERE id = :before_id AND who = :before_w\s*\)",
+        text,
+    )
+    assert text.rstrip().endswith("AS c")
+    # An UPDATE that reads another table already cannot ride
+    assert s.riding("send_fast", "joined") is None

@@ -20,9 +20,14 @@ TUPLES_OK = 2  # libpq's PGRES_TUPLES_OK: a statement that returned rows succeed
 
 Row = Mapping[str, Any]
 BEFORE_PREFIX = "before_"  # a riding statement's binds, renamed apart from the SEND's
-# A statement that can ride inside a SEND (Store.riding): INSERT ... SELECT, no FROM.
+# Statements that can ride inside a SEND (Store.riding): INSERT ... SELECT without a FROM,
+# and UPDATE ... SET ... WHERE ... without a FROM.
 _RIDES = re.compile(
     r"\s*(INSERT\s+INTO\s.*?\)\s*SELECT\s(?:(?!\bFROM\b)[^;])*?)\s*;?\s*",
+    re.DOTALL | re.IGNORECASE,
+)
+_RIDES_UPDATE = re.compile(
+    r"\s*(UPDATE\s+\w+\s+SET\s(?:(?!\bFROM\b)[^;])*?)\s+(WHERE\s(?:(?!\bFROM\b)[^;])*?)\s*;?\s*",
     re.DOTALL | re.IGNORECASE,
 )
 _BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")  # a named bind, as sqlalchemy.text reads it
@@ -122,12 +127,14 @@ class Store:
     def riding(self, send: str, before: str) -> str | None:
         """The name of one statement that is the one-statement SEND ``send`` with a layer's
         ``before`` statement inside it, written only with the message; ``None`` when
-        ``before`` cannot ride there (it is not an ``INSERT ... SELECT`` without a FROM).
+        ``before`` cannot ride there (it is neither an ``INSERT ... SELECT`` nor an
+        ``UPDATE ... SET ... WHERE`` without a FROM).
 
         The SEND's ``sender`` CTE has one row when the message is sent and none
         otherwise (every check guards it): ``before`` becomes a CTE of its own that
-        selects FROM it, so the row and the message commit together or not at all, in
-        one statement — in autocommit one round trip, where a pipeline needs BEGIN and
+        selects FROM it (an UPDATE: FROM it, as a one-row table of no column of its
+        own), so the row and the message commit together or not at all, in one
+        statement — in autocommit one round trip, where a pipeline needs BEGIN and
         COMMIT around it. Its binds are renamed ``before_<name>`` (:func:`before_binds`).
         """
         name = f"{send}+{before}"
@@ -135,14 +142,23 @@ class Store:
             return name
         if name in self._not_riding:
             return None
-        inner = _RIDES.fullmatch(self._queries[before].text)
+        text = self._queries[before].text
         head, sep, final = self._queries[send].text.rpartition("\nSELECT ")
-        if inner is None or not sep or "sender AS (" not in head:
+        if not sep or "sender AS (" not in head:
             self._not_riding.add(name)
             return None
-        renamed = _BIND.sub(lambda m: f":{BEFORE_PREFIX}{m.group(1)}", inner.group(1))
+        if inner := _RIDES.fullmatch(text):
+            riding = f"{inner.group(1)}\nFROM sender"
+        elif inner := _RIDES_UPDATE.fullmatch(text):
+            # the sender's columns kept out of the UPDATE's names
+            sent = f"(SELECT 1 AS {BEFORE_PREFIX}sent FROM sender) AS {BEFORE_PREFIX}sent"
+            riding = f"{inner.group(1)}\nFROM {sent}\n{inner.group(2)}"
+        else:
+            self._not_riding.add(name)
+            return None
+        renamed = _BIND.sub(lambda m: f":{BEFORE_PREFIX}{m.group(1)}", riding)
         self._queries[name] = sa.text(
-            f"{head},\n{BEFORE_PREFIX}row AS (\n{renamed}\nFROM sender\n)\nSELECT {final}"
+            f"{head},\n{BEFORE_PREFIX}row AS (\n{renamed}\n)\nSELECT {final}"
         )
         return name
 

@@ -101,8 +101,13 @@ FOR UPDATE;
 -- error, creates the target endpoint, holds the message for a disabled queue, or keeps a
 -- copy on a sender's queue with retention, status 3); nothing
 -- was written in that case, because every check guards the one UPDATE. With :lease_id it
--- also ends that lease; leases_completed 0 then means the lease was lost (roll back).
-WITH far AS (
+-- also ends that lease, which must still be there (locked first: an expiry waits for this
+-- statement's end) for anything to be written: a lost lease sends nothing either, so
+-- that in autocommit this is a whole answer — the message, the lease's end and a
+-- layer's row riding along (Store.riding) — or nothing (the checked path says why).
+WITH lease AS (
+    SELECT l.lease_id FROM message_leases l WHERE l.lease_id = :lease_id FOR UPDATE
+), far AS (
     SELECT f.conversation_handle, f.queue_name, f.conversation_group_id, f.priority,
         f.service_name, f.contract_name, q.waiting_receivers, q.fair_share_quantum
     FROM conversation_endpoints s
@@ -130,6 +135,7 @@ WITH far AS (
             ELSE GREATEST(:now, s.fair_clock + far.fair_share_quantum) END
     FROM far
     WHERE s.conversation_handle = :handle AND s.state IN ('SO', 'SI', 'CO')
+    AND (CAST(:lease_id AS TEXT) IS NULL OR EXISTS (SELECT 1 FROM lease))
     RETURNING s.send_sequence - 1 AS message_sequence_number,
         CASE WHEN far.fair_share_quantum IS NULL THEN 0 ELSE s.fair_clock END AS fair_at
 ), enqueued AS (
