@@ -91,6 +91,10 @@ class ConversationOperations:
             transaction
         :return: the message's sequence number in the conversation
         :raises LeaseLost: when ``completing`` expired or ended meanwhile (roll back)
+        :raises ConnectionLost: with ``committing`` set, when on the broker itself (not in
+            a transaction) the connection was lost before the reply of a SEND that commits
+            as it runs (one statement on PostgreSQL): it may have gone, and it is not sent
+            again blindly (twice); a connection lost before the SEND is tried again
         :raises ConversationNotFound: for an unknown handle
         :raises ContractViolation: for a type the contract lacks or this side may not send
         :raises ConversationStateError: when the conversation was ended or is in error
@@ -127,8 +131,21 @@ class ConversationOperations:
                     leases.complete(session, completing)
                 return sending.checked(session, handle, message_type, data)
         with self._single_statement() as tx:
-            data = checks.body_bytes(body, tx.session.shared.max_message_size)
-            seq, _ = sending.fast(tx.session, handle, message_type, data)
+            session = tx.session
+            data = checks.body_bytes(body, session.shared.max_message_size)
+            if session.autocommit:
+                session.connection()  # a refused connection did nothing: tried again
+            try:
+                seq, _ = sending.fast(session, handle, message_type, data)
+            except exceptions.ConnectionLost as exc:
+                if not session.autocommit:
+                    raise  # it sent nothing that committed: run again
+                # The statement commits as it runs: lost before its reply, the message
+                # may be there, and a SEND run again would send it twice.
+                raise exceptions.ConnectionLost(
+                    f"{exc} (the SEND commits as it runs: it may have happened)",
+                    committing=True,
+                ) from exc
             if seq is not None:
                 return seq
         with self._operation() as tx:

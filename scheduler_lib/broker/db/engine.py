@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import select
 from typing import Any
 
 import sqlalchemy as sa
@@ -106,5 +107,23 @@ def create_engine(url: str | URL, *, read_only: bool = False, **kwargs: Any) -> 
     connect_args = dict(kwargs.pop("connect_args", None) or {})
     connect_args.setdefault("connect_timeout", POSTGRESQL_CONNECT_TIMEOUT)
     # No pool_pre_ping: it costs a round trip per transaction on the hot path. A lost
-    # connection throws the pool's connections away, and the call runs again on a new one.
-    return sa.create_engine(parsed, connect_args=connect_args, **kwargs)
+    # connection throws the pool's connections away, and the call runs again on a new one;
+    # one the server closed while it sat in the pool is caught at checkout, for free.
+    engine = sa.create_engine(parsed, connect_args=connect_args, **kwargs)
+    sa.event.listen(engine, "checkout", _closed_while_idle)
+    return engine
+
+
+def _closed_while_idle(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+    """Throw away a pooled connection the server closed while it sat idle (a restart,
+    ``pg_terminate_backend``, an idle timeout): an idle connection has nothing to read
+    unless the server said goodbye (its termination notice, then the end of the
+    stream). One poll of the socket, no round trip; the pool connects anew. So a
+    statement that then fails on its connection was sent: a one-statement write in
+    autocommit may have committed, and is not run again blindly."""
+    try:
+        readable, _, _ = select.select([dbapi_connection.pgconn.socket], [], [], 0)
+    except Exception as exc:  # no socket any more: as closed
+        raise sa.exc.DisconnectionError(f"connection unusable: {exc}") from exc
+    if readable:
+        raise sa.exc.DisconnectionError("the server closed this idle connection")
