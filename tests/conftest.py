@@ -83,6 +83,21 @@ def broker(db_url: str) -> Iterator[Broker]:
 
 
 @pytest.fixture
+def pg_scheduler_broker(postgres_url: str) -> Iterator[Broker]:
+    """A broker on a fresh PostgreSQL database with the task scheduler's catalog (its
+    default target, activation off), no timer thread: for tests of the statements the
+    scheduler's hot paths run."""
+    from scheduler_lib.scheduler import Target, init
+
+    b = Broker(postgres_url, timers=False)
+    try:
+        init(b, targets=[Target(activation=False)])
+        yield b
+    finally:
+        b.close()
+
+
+@pytest.fixture
 def scheduler_catalog(broker: Broker) -> Broker:
     """The blog's catalog: AsyncSent / AsyncDone on AsyncContract between an initiator
     service on InitiatorQueue and a target service on TargetQueue."""

@@ -450,35 +450,9 @@ class Executor:
         ended_at = time.time()
 
         def commit_outcome() -> None:
-            finishing = ("log_finish", {"now": ended_at, **finish})
-            if self.broker.features.one_statement_send:
-                # PostgreSQL: the answer, the lease's end and the row's end in one
-                # statement, in autocommit: one round trip and one commit, and the
-                # scheduler's endpoint, which every reader answers on, locked for no
-                # longer (a lost lease writes nothing: LeaseLost). A scheduler released
-                # meanwhile: the transaction below ends the row and the lease, no answer.
-                try:
-                    self._answer(
-                        self.broker,
-                        lease.message,
-                        log_id,
-                        status,
-                        error,
-                        encoded,
-                        origin,
-                        completing=lease,
-                        before=finishing,
-                        released_raises=True,
-                    )
-                    return
-                except (ConversationNotFound, ConversationStateError):
-                    pass
-            with self.broker.transaction() as tx:
-                # The row's end goes first, in the answer's round trip; the answer ends the
-                # lease (a lost one rolls it all back) and goes last: its SEND locks the
-                # scheduler's endpoint, which every reader answers on, until the commit.
+            def answer_on(on: Transaction | Broker, *, released_raises: bool = False) -> None:
                 self._answer(
-                    tx,
+                    on,
                     lease.message,
                     log_id,
                     status,
@@ -486,8 +460,26 @@ class Executor:
                     encoded,
                     origin,
                     completing=lease,
-                    before=finishing,
+                    before=("log_finish", {"now": ended_at, **finish}),
+                    released_raises=released_raises,
                 )
+
+            if self.broker.features.one_statement_send:
+                # PostgreSQL: the answer, the lease's end and the row's end in one
+                # statement, in autocommit: one round trip and one commit, and the
+                # scheduler's endpoint, which every reader answers on, locked for no
+                # longer (a lost lease writes nothing: LeaseLost). A scheduler released
+                # meanwhile: the transaction below ends the row and the lease, no answer.
+                try:
+                    answer_on(self.broker, released_raises=True)
+                    return
+                except (ConversationNotFound, ConversationStateError):
+                    pass
+            with self.broker.transaction() as tx:
+                # The row's end goes first, in the answer's round trip; the answer ends the
+                # lease (a lost one rolls it all back) and goes last: its SEND locks the
+                # scheduler's endpoint, which every reader answers on, until the commit.
+                answer_on(tx)
 
         try:
             if lost:

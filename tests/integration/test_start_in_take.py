@@ -6,7 +6,6 @@ usual way (``log_start``): the task runs once, its row counts one attempt."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,13 +21,8 @@ QUEUE = "QueueAsyncTarget"
 
 
 @pytest.fixture
-def broker(postgres_url: str) -> Iterator[Broker]:
-    broker = Broker(postgres_url, timers=False)
-    try:
-        init(broker, targets=[Target(activation=False)])
-        yield broker
-    finally:
-        broker.close()
+def broker(pg_scheduler_broker: Broker) -> Broker:
+    return pg_scheduler_broker
 
 
 def _statements(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -7,21 +7,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from statement_spy import statements as _statements
 
 from scheduler_lib.broker import Broker, LeaseLost
-from scheduler_lib.broker.db.store import Store
 from scheduler_lib.scheduler import (
     Executor,
     SynchronizationTimeout,
-    Target,
     Task,
     TaskScheduler,
-    init,
 )
 
 pytestmark = pytest.mark.postgres
@@ -30,13 +26,8 @@ QUEUE = "QueueAsyncTarget"
 
 
 @pytest.fixture
-def sched(postgres_url: str) -> Iterator[Broker]:
-    broker = Broker(postgres_url, timers=False)
-    try:
-        init(broker, targets=[Target(activation=False)])
-        yield broker
-    finally:
-        broker.close()
+def sched(pg_scheduler_broker: Broker) -> Broker:
+    return pg_scheduler_broker
 
 
 def lose_the_lease(url: str) -> str:
@@ -49,26 +40,6 @@ def lose_the_lease(url: str) -> str:
     finally:
         engine.dispose()
     return "ran"
-
-
-def _statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The named statements the store runs from now on (marked when on a connection in
-    autocommit: a transaction of its own)."""
-    ran: list[str] = []
-    on_driver, pipeline = Store._on_driver, Store.pipeline
-
-    def spied_on_driver(self: Store, conn: Any, query: str, params: Mapping[str, Any]) -> Any:
-        alone = conn.connection.driver_connection.autocommit
-        ran.append(f"{query} (autocommit)" if alone else query)
-        return on_driver(self, conn, query, params)
-
-    def spied_pipeline(self: Store, conn: Any, statements: Any) -> Any:
-        ran.append("pipeline:" + "+".join(q for q, _ in statements))
-        return pipeline(self, conn, statements)
-
-    monkeypatch.setattr(Store, "_on_driver", spied_on_driver)
-    monkeypatch.setattr(Store, "pipeline", spied_pipeline)
-    return ran
 
 
 def test_the_answer_is_one_statement_with_the_lease_and_the_row(

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
+from statement_spy import statements as _statements
 
 from scheduler_lib.broker import Broker, ConversationStateError
-from scheduler_lib.broker.db.store import Store
-from scheduler_lib.scheduler import Target, Task, TaskScheduler, init
+from scheduler_lib.scheduler import Task, TaskScheduler
 
 pytestmark = pytest.mark.postgres
 
@@ -21,38 +20,8 @@ QUEUE = "QueueAsyncTarget"
 
 
 @pytest.fixture
-def sched(postgres_url: str) -> Iterator[Broker]:
-    broker = Broker(postgres_url, timers=False)
-    try:
-        init(broker, targets=[Target(activation=False)])
-        yield broker
-    finally:
-        broker.close()
-
-
-def _statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The named statements the store runs from now on, through each of its doors (a
-    statement on a connection in autocommit, a transaction of its own, marked so)."""
-    ran: list[str] = []
-    on_driver, pipeline, execute = Store._on_driver, Store.pipeline, Store.execute
-
-    def spied_on_driver(self: Store, conn: Any, query: str, params: Mapping[str, Any]) -> Any:
-        alone = conn.connection.driver_connection.autocommit
-        ran.append(f"{query} (autocommit)" if alone else query)
-        return on_driver(self, conn, query, params)
-
-    def spied_pipeline(self: Store, conn: Any, statements: Any) -> Any:
-        ran.append("pipeline:" + "+".join(q for q, _ in statements))
-        return pipeline(self, conn, statements)
-
-    def spied_execute(self: Store, conn: Any, query: str, /, **params: Any) -> Any:
-        ran.append(query)
-        return execute(self, conn, query, **params)
-
-    monkeypatch.setattr(Store, "_on_driver", spied_on_driver)
-    monkeypatch.setattr(Store, "pipeline", spied_pipeline)
-    monkeypatch.setattr(Store, "execute", spied_execute)
-    return ran
+def sched(pg_scheduler_broker: Broker) -> Broker:
+    return pg_scheduler_broker
 
 
 def _row(scheduler: TaskScheduler, handle: Any, log_id: int) -> dict[str, Any]:
