@@ -265,7 +265,9 @@ class Broker(
 
     def run(self, query: str, /, **params: Any) -> int:
         """Run one named statement (of :meth:`use_queries`) in a transaction of its own —
-        on PostgreSQL in autocommit, one round trip; how many rows it changed."""
+        on PostgreSQL in autocommit, one round trip; how many rows it changed. A
+        connection lost before its reply runs it again (it may have committed): give it
+        statements that can run twice, as the task scheduler's do."""
 
         def statement() -> int:
             with self._single_statement() as tx:
