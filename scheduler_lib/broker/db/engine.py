@@ -121,9 +121,15 @@ def _closed_while_idle(dbapi_connection: Any, _record: Any, _proxy: Any) -> None
     stream). One poll of the socket, no round trip; the pool connects anew. So a
     statement that then fails on its connection was sent: a one-statement write in
     autocommit may have committed, and is not run again blindly."""
+    if dbapi_connection.closed:
+        raise sa.exc.DisconnectionError("connection closed")
     try:
-        readable, _, _ = select.select([dbapi_connection.pgconn.socket], [], [], 0)
-    except Exception as exc:  # no socket any more: as closed
-        raise sa.exc.DisconnectionError(f"connection unusable: {exc}") from exc
-    if readable:
+        # poll, not select: a process with many open files has sockets past select's
+        # FD_SETSIZE (1024), and select refuses them
+        poller = select.poll()
+        poller.register(dbapi_connection.pgconn.socket, select.POLLIN)
+        ready = poller.poll(0)
+    except Exception:  # cannot tell: the statement will
+        return
+    if ready:
         raise sa.exc.DisconnectionError("the server closed this idle connection")
