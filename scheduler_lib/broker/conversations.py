@@ -140,12 +140,9 @@ class ConversationOperations:
             except exceptions.ConnectionLost as exc:
                 if not session.autocommit:
                     raise  # it sent nothing that committed: run again
-                # The statement commits as it runs: lost before its reply, the message
-                # may be there, and a SEND run again would send it twice.
-                raise exceptions.ConnectionLost(
-                    f"{exc} (the SEND commits as it runs: it may have happened)",
-                    committing=True,
-                ) from exc
+                # lost before its reply, the message may be there: a SEND run again
+                # would send it twice
+                raise _may_have_gone(exc) from exc
             if seq is not None:
                 return seq
         with self._operation() as tx:
@@ -173,13 +170,9 @@ class ConversationOperations:
                 lease_id = None if completing is None else completing.lease_id
                 seq, _ = sending.fast(session, handle, message_type, data, lease_id, before)
             except exceptions.ConnectionLost as exc:
-                # The statement commits as it runs: lost before its reply, the message
-                # and the row may both be there. Not run again blindly; the caller can
-                # tell (by the row).
-                raise exceptions.ConnectionLost(
-                    f"{exc} (the SEND commits as it runs: it may have happened)",
-                    committing=True,
-                ) from exc
+                # the message and the row may both be there: the caller can tell (by
+                # the row)
+                raise _may_have_gone(exc) from exc
             return seq
 
     def send_many(
@@ -325,3 +318,11 @@ class ConversationOperations:
         """Messages waiting to be delivered (``sys.transmission_queue``)."""
         with self._operation() as tx:
             return conversations.transmission_queue(tx.session)
+
+
+def _may_have_gone(exc: exceptions.ConnectionLost) -> exceptions.ConnectionLost:
+    """A connection lost on a SEND that commits as it runs (autocommit, one statement):
+    it may have happened, so it is not run again blindly."""
+    return exceptions.ConnectionLost(
+        f"{exc} (the SEND commits as it runs: it may have happened)", committing=True
+    )
