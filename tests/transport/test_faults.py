@@ -93,8 +93,18 @@ def test_ten_thousand_messages_arrive_exactly_once_in_order_through_faults(
             f"reply to {n}".encode() for n in range(CONVERSATIONS)
         )
         # ... and both transmission queues empty once every acknowledgement is in
-        poll(lambda: not a.transmission_queue(), 60, "A's transmission queue empties")
-        poll(lambda: not b.transmission_queue(), 60, "B's transmission queue empties")
+        poll(
+            lambda: not a.transmission_queue(),
+            60,
+            "A's transmission queue empties",
+            explain=lambda: _left(a, ea),
+        )
+        poll(
+            lambda: not b.transmission_queue(),
+            60,
+            "B's transmission queue empties",
+            explain=lambda: _left(b, eb),
+        )
         # The faults did happen: corrupted frames were dropped and recorded as events
         stats = collections.Counter(to_b.stats) + collections.Counter(to_a.stats)
         for fault in ("dropped", "duplicated", "reordered", "corrupted", "cuts"):
@@ -122,6 +132,13 @@ def _target(address: str | None) -> tuple[str, int]:
     assert address is not None
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     return host, int(port)
+
+
+def _left(broker: Broker, endpoint: TransportEndpoint) -> str:
+    """What a transmission queue still holds, and the endpoint's connections: a failure
+    says which messages were never acknowledged, and whether a connection was up."""
+    left = broker.transmission_queue()
+    return f"{len(left)} left, first {[dict(m) for m in left[:3]]}; {endpoint.connections()}"
 
 
 def _events(broker: Broker) -> list[dict]:
