@@ -634,7 +634,11 @@ class CancelWatcher:
 
     One thread per broker looks for cancel requests every ``CANCEL_POLL`` seconds while
     tasks run, and sleeps while none does; the query reads a partial index of the rows
-    asked to stop, so it stays cheap however long the log is.
+    asked to stop, so it stays cheap however long the log is. Its first look comes
+    ``CANCEL_POLL`` after a task started, not at once: a request can only be for a task
+    that runs (one still queued is cancelled in its row), told within ``CANCEL_POLL``
+    either way — and a task shorter than that costs no look at all (an isolated short
+    task paid one query on the database beside its own statements).
     """
 
     _lock = threading.Lock()
@@ -679,6 +683,10 @@ class CancelWatcher:
                     if not self._changed.wait(timeout=60.0) and not self._running:
                         self._thread = None  # idle for a minute: let the thread go
                         return
+            time.sleep(CANCEL_POLL)
+            with self._changed:
+                if not self._running:
+                    continue  # what ran has ended: nothing to tell
             try:
                 requests = self.broker.fetch("log_cancel_requests")
             except Exception as exc:
@@ -696,7 +704,6 @@ class CancelWatcher:
             for context, reason in targets:
                 log.info("task %s: %s", context.log_id, reason)
                 context.cancel(reason or "cancelled")
-            time.sleep(CANCEL_POLL)
 
 
 def report_lost_task(event: PoisonEvent) -> None:
