@@ -53,6 +53,7 @@ POLL = 1.0  # seconds per RECEIVE while idle, so a stopping runtime is noticed
 LEASE = 30.0  # seconds a task is held without a heartbeat (renewed every third)
 TARGETS_REFRESH = 5.0  # seconds the allowed kinds of the targets are trusted
 CANCEL_POLL = 0.5  # seconds between a worker's looks for cancel requests while tasks run
+CANCEL_IDLE = 60.0  # seconds with no task running before the watcher thread ends
 ERROR_LIMIT = 8000  # characters of a task's error kept
 RESULT_LIMIT = 64 * 1024  # characters of a task's result kept
 # What a taken message runs as: this broker's log id, the task, where it came from when
@@ -632,13 +633,15 @@ def _done_type(on: Transaction | Broker, contract: str) -> str:
 class CancelWatcher:
     """Tells the running tasks of one process (on one broker) that they were cancelled.
 
-    One thread per broker looks for cancel requests every ``CANCEL_POLL`` seconds while
-    tasks run, and sleeps while none does; the query reads a partial index of the rows
-    asked to stop, so it stays cheap however long the log is. Its first look comes
-    ``CANCEL_POLL`` after a task started, not at once: a request can only be for a task
-    that runs (one still queued is cancelled in its row), told within ``CANCEL_POLL``
-    either way — and a task shorter than that costs no look at all (an isolated short
-    task paid one query on the database beside its own statements).
+    One thread per broker wakes every ``CANCEL_POLL`` seconds and, when tasks run, looks
+    for cancel requests; the query reads a partial index of the rows asked to stop, so it
+    stays cheap however long the log is. A request can only be for a task that runs (one
+    still queued is cancelled in its row) and is told within ``CANCEL_POLL`` plus a
+    query. The thread is never woken by a task: a task's start and end only change the
+    set of running tasks: waking it at each task that found it idle (to look at once, as
+    it once did) cost a thread switch per short task and a query per isolated one. After
+    ``CANCEL_IDLE`` seconds with no task started the thread ends; the next task starts
+    another.
     """
 
     _lock = threading.Lock()
@@ -646,8 +649,9 @@ class CancelWatcher:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self._running: dict[int, TaskContext] = {}
-        self._changed = threading.Condition()
+        self._guard = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._busy_at = 0.0  # when a task last started (monotonic)
 
     @classmethod
     def of(cls, broker: Broker) -> CancelWatcher:
@@ -660,39 +664,36 @@ class CancelWatcher:
 
     @contextlib.contextmanager
     def watching(self, context: TaskContext) -> Iterator[None]:
-        with self._changed:
-            was_idle = not self._running
+        with self._guard:
             self._running[context.log_id] = context
+            self._busy_at = time.monotonic()
+            # (not alive: it ended, or this is a child forked with the parent's state)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._watch, name="task-cancel-watcher", daemon=True
                 )
                 self._thread.start()
-            elif was_idle:  # it waits for a first task; otherwise it polls anyway
-                self._changed.notify_all()
         try:
             yield
         finally:
-            with self._changed:
+            with self._guard:
                 self._running.pop(context.log_id, None)
 
     def _watch(self) -> None:
         while True:
-            with self._changed:
-                while not self._running:
-                    if not self._changed.wait(timeout=60.0) and not self._running:
-                        self._thread = None  # idle for a minute: let the thread go
-                        return
             time.sleep(CANCEL_POLL)
-            with self._changed:
+            with self._guard:
                 if not self._running:
-                    continue  # what ran has ended: nothing to tell
+                    if time.monotonic() - self._busy_at >= CANCEL_IDLE:
+                        self._thread = None  # the next task starts another
+                        return
+                    continue
             try:
                 requests = self.broker.fetch("log_cancel_requests")
             except Exception as exc:
                 self.broker.availability.report(log, "looking for cancel requests failed", exc)
                 requests = []
-            with self._changed:
+            with self._guard:
                 # A request stays until its task answers: told once is enough (the
                 # cancel is idempotent, but each look logged it again, every half second).
                 targets = [

@@ -1,6 +1,7 @@
 """The worker's look for cancel requests: a running task asked to stop is told within
-``CANCEL_POLL``; a task shorter than that costs no look at all (an isolated short task
-paid one query beside its own statements when the first look came at its start)."""
+``CANCEL_POLL``; a task never wakes the watcher, so a short one that ends between two
+looks costs none (an isolated short task paid a query beside its own statements, and a
+thread switch, when its start woke the watcher to look at once)."""
 
 from __future__ import annotations
 
