@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from scheduler_lib.broker import Broker
+from scheduler_lib.broker import Broker, QueueDisabled
 from scheduler_lib.broker.db.store import Store
+from scheduler_lib.broker.ops import endpoints
 from scheduler_lib.broker.ops import leases as leases_ops
 from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
 
@@ -164,3 +165,25 @@ def test_durable_start_must_be_a_bool(broker: Broker) -> None:
 
     with pytest.raises(InvalidArgument, match="durable_start must be True or False, got 'no'"):
         init(broker, targets=[Target(activation=False, durable_start="no")])  # type: ignore[arg-type]
+
+
+def test_empty_takes_read_the_queue_settings_once_a_recheck_and_see_a_change_here_at_once(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[str] = []
+    queue = endpoints.queue
+
+    def counting(session: Any, name: str) -> Any:
+        reads.append(name)
+        return queue(session, name)
+
+    monkeypatch.setattr(endpoints, "queue", counting)
+    # When one-statement takes (an executor's) on an empty queue look once and find nothing
+    for _ in range(3):
+        assert broker.take(QUEUE, timeout=0, durable=False) == []
+    # Then the queue's settings were read once, not once per take (RECEIVE's cache)
+    assert reads == [QUEUE]
+    # And a queue turned off by this process is seen by the next take at once
+    broker.alter_queue(QUEUE, status=False)
+    with pytest.raises(QueueDisabled):
+        broker.take(QUEUE, timeout=0, durable=False)

@@ -262,7 +262,8 @@ def take_waiting(
         leases = look()
         if leases or checked:
             return leases
-        info = settings()  # unknown or off: say so, as RECEIVE does
+        # unknown or off: say so, as RECEIVE does (settings read as RECEIVE's: cached)
+        info = receiving.queue_settings(waiting, queue, settings)
         if not info.is_receive_enabled:
             raise info.disabled_error()
         if info.is_retention_enabled or info.receive_aging_seconds is not None:

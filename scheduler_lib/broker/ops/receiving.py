@@ -80,15 +80,7 @@ def look(
         found = fast(session, queue, top, handle)
         if found:
             return found
-    # RECEIVEs re-read a queue's settings at most every QUEUE_RECHECK seconds per broker
-    # (a queue turned off elsewhere is noticed that soon, here at once: catalog
-    # changes clear the cache), so an empty look costs one statement, not two.
-    now = time.monotonic()
-    waited = session.waiting.waited_queues
-    cached = waited.get(queue)
-    if cached is None or now - cached[0] > QUEUE_RECHECK:
-        cached = waited[queue] = (now, endpoints.queue(session, queue))
-    info = cached[1]
+    info = queue_settings(session.waiting, queue, lambda: endpoints.queue(session, queue))
     if not info.is_receive_enabled:
         raise info.disabled_error()
     fast_ran = session.store.features.one_statement_receive and group_id is None
@@ -180,6 +172,20 @@ def group_once(session: sessions.Session, queue: str) -> uuid.UUID | None:
         return None
     session.mark_written()  # the group stays locked until the transaction ends
     return uuid.UUID(group_id)
+
+
+def queue_settings(
+    waiting: waits.Waiting, queue: str, read: Callable[[], models.QueueInfo]
+) -> models.QueueInfo:
+    """A queue's settings as an empty look checks them (RECEIVE's, the take's): re-read
+    at most every ``QUEUE_RECHECK`` seconds per broker — a queue turned off elsewhere is
+    noticed that soon, here at once (this process's catalog changes clear the cache) —
+    so an empty look costs one statement, not two."""
+    now = time.monotonic()
+    cached = waiting.waited_queues.get(queue)
+    if cached is None or now - cached[0] > QUEUE_RECHECK:
+        cached = waiting.waited_queues[queue] = (now, read())
+    return cached[1]
 
 
 def wait_for(
