@@ -53,7 +53,7 @@ POLL = 1.0  # seconds per RECEIVE while idle, so a stopping runtime is noticed
 LEASE = 30.0  # seconds a task is held without a heartbeat (renewed every third)
 TARGETS_REFRESH = 5.0  # seconds the allowed kinds of the targets are trusted
 CANCEL_POLL = 0.5  # seconds between a worker's looks for cancel requests while tasks run
-CANCEL_IDLE = 60.0  # seconds with no task running before the watcher thread ends
+CANCEL_IDLE = 60.0  # seconds since a task last started (none running) before the watcher ends
 ERROR_LIMIT = 8000  # characters of a task's error kept
 RESULT_LIMIT = 64 * 1024  # characters of a task's result kept
 # What a taken message runs as: this broker's log id, the task, where it came from when
@@ -637,9 +637,9 @@ class CancelWatcher:
     for cancel requests; the query reads a partial index of the rows asked to stop, so it
     stays cheap however long the log is. A request can only be for a task that runs (one
     still queued is cancelled in its row) and is told within ``CANCEL_POLL`` plus a
-    query. The thread is never woken by a task: a task's start and end only change the
-    set of running tasks: waking it at each task that found it idle (to look at once, as
-    it once did) cost a thread switch per short task and a query per isolated one. After
+    query. The thread is never woken by a task, whose start and end only change the set
+    of running tasks (waking it at each task that found it idle, to look at once as it
+    once did, cost a thread switch per short task and a query per isolated one). After
     ``CANCEL_IDLE`` seconds with no task started the thread ends; the next task starts
     another.
     """
