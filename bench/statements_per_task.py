@@ -44,10 +44,13 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _normal(sql: str) -> str:
-    """Text compared across sources: no comments, parameters as ``?``, single spaces."""
+    """Text compared across sources: no comments, single spaces, parameters and constants
+    as ``?`` (pg_stat_statements shows a constant as a parameter)."""
     sql = re.sub(r"--[^\n]*", " ", sql)
-    sql = re.sub(r"\$\d+|(?<!:):[a-z_][a-z0-9_]*", "?", sql)
-    return re.sub(r"\s+", " ", sql).strip()
+    sql = re.sub(r"'(?:[^']|'')*'", "?", sql)
+    sql = re.sub(r"(?i)(?<!IS )(?<!NOT )\b(?:NULL|TRUE|FALSE)\b", "?", sql)
+    sql = re.sub(r"\$\d+|(?<!:):[a-z_][a-z0-9_]*|(?<![\w.$])\d+(?:\.\d+)?(?![\w.])", "?", sql)
+    return re.sub(r"\s+", " ", sql).strip().rstrip(";").rstrip()
 
 
 def statement_names(repo: Path) -> dict[str, str]:
@@ -62,15 +65,17 @@ def statement_names(repo: Path) -> dict[str, str]:
 
 
 def label(query: str, names: dict[str, str]) -> str:
+    """The name of the statement whose text ``query`` shares the longest beginning with
+    (``+``: not the whole of it — another statement rides in it, or it is a variant)."""
     text = _normal(query)
+    if text in names:
+        return names[text]
+    best, shared = "", 0
     for known, name in names.items():
-        if text == known:
-            return name
-    head = text[:300]
-    for known, name in names.items():
-        if len(known) >= 300 and known[:300] == head:
-            return name + " +"
-    return text[:60] + "…"
+        n = len(os.path.commonprefix([known, text]))  # noqa: RUF071 - of text, not paths
+        if n > shared:
+            best, shared = name, n
+    return f"{best} +" if shared >= 100 else text[:60] + "…"
 
 
 def statements(url: str) -> dict[int, tuple[str, int, float, float, int]]:
@@ -79,7 +84,7 @@ def statements(url: str) -> dict[int, tuple[str, int, float, float, int]]:
         rows = conn.execute(
             "SELECT queryid, query, calls, total_exec_time, total_plan_time, rows "
             "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database "
-            "WHERE datname = current_database())"
+            "WHERE datname = current_database()) AND query NOT LIKE '%pg_stat_statements%'"
         ).fetchall()
     return {r[0]: (r[1], r[2], r[3], r[4], r[5]) for r in rows}
 
@@ -97,6 +102,16 @@ def server_cpu() -> dict[int, float]:
                 fields = rest.split()
                 out[int(entry)] = (int(fields[11]) + int(fields[12])) / TICK
     return out
+
+
+def activity(url: str) -> dict[int, str]:
+    """pid -> what the process is (its backend type) and its client last ran."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid, coalesce(backend_type, '') || ': ' || left(coalesce(query, ''), 200) "
+            "FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+        ).fetchall()
+    return {pid: what for pid, what in rows}
 
 
 def measure(runs: int) -> tuple[list[tuple[str, float, float, float, float]], list[str], float]:
@@ -138,13 +153,7 @@ def measure(runs: int) -> tuple[list[tuple[str, float, float, float, float]], li
                                 raise RuntimeError("a task of the waves failed")
                         wall = (time.monotonic() - started) / runs
                         after, cpu_after = statements(url), server_cpu()
-                    with psycopg.connect(pg.url, autocommit=True) as conn:
-                        last: dict[int, str] = dict(
-                            conn.execute(
-                                "SELECT pid, coalesce(backend_type, '') || ': ' || "
-                                "left(coalesce(query, ''), 200) FROM pg_stat_activity"
-                            ).fetchall()
-                        )
+                        last = activity(pg.url)
                 finally:
                     worker.stop()
         finally:
@@ -171,7 +180,7 @@ def measure(runs: int) -> tuple[list[tuple[str, float, float, float, float]], li
     ):
         ms = 1000 * (seconds - cpu_before.get(pid, 0.0)) / tasks
         if ms >= 0.005:
-            what = last.get(pid, "(the postmaster, or a process that ended)")
+            what = last.get(pid, "(the postmaster)")
             what = re.sub(r"\s+", " ", what)
             processes.append(f"| {ms:.3f} | {what[:70].replace('|', '/')} |")
     return rows, processes, wall
