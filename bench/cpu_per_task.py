@@ -120,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{med['postgresql']:.2f} | {med['total']:.2f} | {med['wall']:.2f} |"
         )
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    systems_arg = "" if names == SYSTEMS else f" --systems {','.join(names)}"
     section = (
         f"\n## cpu_per_task — {stamp}\n\n"
-        f"Command: `python -m bench.cpu_per_task --runs {args.runs} --rounds {args.rounds}` "
+        f"Command: `python -m bench.cpu_per_task{systems_arg} --runs {args.runs} "
+        f"--rounds {args.rounds}` "
         f"(took {time.monotonic() - started:.0f} s; design in `bench/cpu_per_task.py`'s "
         f"docstring). Machine: {os.cpu_count()} cores; git "
         f"{os.popen('git rev-parse --short=10 HEAD').read().strip()}.\n\n"
