@@ -485,7 +485,11 @@ class Executor:
         try:
             if lost:
                 raise next(iter(lost.values()))
-            self._commit_outcome(log_id, commit_outcome)
+            # The lease lives while the answer waits for the database: a storm of lost
+            # connections once kept an answer retrying past the lease (31.8 s, lease
+            # 30 s), and the poison policy failed a task that had run and succeeded.
+            with self.broker.keep_alive([lease]):
+                self._commit_outcome(log_id, commit_outcome)
             waited = began - lease.message.enqueued_at
             with contextlib.suppress(Exception):  # a count never costs a task its answer
                 metrics.task_finished(self.queue, task.kind, status, ended_at - began, waited)
