@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from scheduler_lib.broker import Broker, ConnectionLost
 from scheduler_lib.scheduler import Executor, Task, TaskScheduler
 
@@ -16,7 +18,7 @@ HELD = 3.0  # seconds the answer cannot commit: three leases
 
 
 def test_a_lease_lives_while_the_answer_waits_for_the_database(
-    sched: Broker, scheduler: TaskScheduler, monkeypatch: Any
+    sched: Broker, scheduler: TaskScheduler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     handle = scheduler.get_scheduler()
     log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -5))
