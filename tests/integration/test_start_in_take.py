@@ -6,9 +6,11 @@ usual way (``log_start``): the task runs once, its row counts one attempt."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from scheduler_lib.broker import Broker, QueueDisabled
 from scheduler_lib.broker.db.store import Store
@@ -187,3 +189,41 @@ def test_empty_takes_read_the_queue_settings_once_a_recheck_and_see_a_change_her
     broker.alter_queue(QUEUE, status=False)
     with pytest.raises(QueueDisabled):
         broker.take(QUEUE, timeout=0, durable=False)
+
+
+def test_the_start_finds_its_row_by_key_on_a_fresh_database(broker: Broker) -> None:
+    """The driver prepares a statement it runs often, and the server then keeps one plan
+    for it, made from what the tables looked like then. On a fresh database the log is
+    empty; a plan that scans it would scan the whole log at every start for good."""
+    # Given log_start_taken as the server plans it once for all calls (a generic plan),
+    # on a fresh database
+    text = broker._store._driver_text("log_start_taken")  # its SQL as the driver sends it
+    names: list[str] = []
+
+    def positional(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    prepared = re.sub(r"%\((\w+)\)s", positional, text)
+    values = {"holder": "h", "taken_at": 1.0, "worker": "w", "activated_task_id": None}
+    values |= {"end_dialog": "EndDialog", "error": "Error"}
+    engine = sa.create_engine(broker.url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("SET LOCAL plan_cache_mode TO force_generic_plan")
+            conn.exec_driver_sql(f"PREPARE started AS {prepared}")
+            arguments = ", ".join(_literal(values[name]) for name in names)
+            plan = [row[0] for row in conn.exec_driver_sql(f"EXPLAIN EXECUTE started({arguments})")]
+            conn.exec_driver_sql("DEALLOCATE started")
+    finally:
+        engine.dispose()
+    # Then it reads execution_log through an index, never by scanning it
+    reads = [line.strip() for line in plan if "Scan" in line and " on execution_log" in line]
+    assert reads and all(line.startswith("->  Index") for line in reads), "\n".join(plan)
+
+
+def _literal(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    return f"'{value}'" if isinstance(value, str) else repr(value)

@@ -64,6 +64,11 @@ SET status = 'RUNNING', start_time = :taken_at, worker_id = :worker,
     spark_application_id = NULL, spark_job_group = NULL, spark_ui_url = NULL
 FROM tasks
 WHERE e.log_id = tasks.log_id
+-- The ids' range too, a condition on execution_log alone: it keeps the primary key in the
+-- plan. The join alone lets a plan made while the log was small (a fresh database: the
+-- driver prepares the statement, and the server keeps that plan) scan the whole log at
+-- every start, however long it grows.
+AND e.log_id BETWEEN (SELECT min(log_id) FROM tasks) AND (SELECT max(log_id) FROM tasks)
 AND e.scheduler_handle = tasks.scheduler_handle AND e.origin_log_id IS NULL
 AND e.status IN ('QUEUED', 'RUNNING')
 RETURNING tasks.lease_id;
