@@ -11,6 +11,7 @@ A failure prints its seed; ``TERMINATE_SEED=N`` replays the killer's schedule.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
@@ -157,3 +158,53 @@ def test_waves_run_once_each_while_backends_are_terminated(
     )
     assert got == [(n, "SUCCEEDED", 1, True) for n in everyone], context
     assert caller.leases() == [], context
+
+
+def test_a_checkout_that_meets_only_closed_connections_is_ridden_through(
+    postgres_server: str, postgres_url: str
+) -> None:
+    """The pool throws away a pooled connection the server closed and connects anew, and
+    gives up when the new ones are closed too (SQLAlchemy's ``InvalidRequestError: This
+    connection is closed``, after two tries): in a storm of terminations that escaped as
+    a traceback and ended an executor's loop. It is a lost connection, ridden through."""
+    broker = Broker(postgres_url)
+    admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    database = sa.make_url(postgres_url).database
+    killed: list[int] = []
+
+    def closed_at_birth(dbapi_connection: object, _record: object) -> None:
+        # The next three connections end as they begin, as under the killer's storm
+        if len(killed) < 3:
+            killed.append(1)
+            with contextlib.suppress(Exception):
+                dbapi_connection.execute("SELECT pg_terminate_backend(pg_backend_pid())")  # type: ignore[attr-defined]
+
+    try:
+        init(broker, targets=[Target(activation=False)])
+        assert broker.queue(QUEUE).is_receive_enabled  # the pool now holds a connection
+        # Given every pooled connection closed by the server while idle
+        with admin.connect() as conn:
+            conn.exec_driver_sql(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = %(db)s AND pid <> pg_backend_pid()",
+                {"db": database},
+            )
+            deadline = time.monotonic() + 30
+            while conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = %(db)s",
+                {"db": database},
+            ).scalar_one():
+                assert time.monotonic() < deadline, "the terminated sessions did not end"
+                time.sleep(0.05)
+        # And the new connections closed as they open
+        sa.event.listen(sa.pool.Pool, "connect", closed_at_birth)
+        try:
+            # When the broker is asked something, it answers once a connection holds
+            assert broker.queue(QUEUE).is_receive_enabled
+        finally:
+            sa.event.remove(sa.pool.Pool, "connect", closed_at_birth)
+        # (the storm happened: the checkout met closed connections)
+        assert len(killed) == 3
+    finally:
+        broker.close()
+        admin.dispose()

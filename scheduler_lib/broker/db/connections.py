@@ -112,6 +112,11 @@ def connect(engine: sa.Engine) -> sa.Connection:
         return engine.connect()
     except sa_exc.DBAPIError as exc:
         raise connect_error(engine, "connect", exc) from exc
+    except sa_exc.InvalidRequestError as exc:
+        # The pool found the connection it handed out closed by the server, connected
+        # anew, found that one closed too, and gave up ("This connection is closed"):
+        # a storm of terminations, to ride through like any lost connection.
+        raise lost("connect", exc) from exc
 
 
 def connect_error(engine: sa.Engine, what: str, exc: sa_exc.DBAPIError) -> exceptions.DatabaseError:
