@@ -88,3 +88,21 @@ def test_a_message_that_leaves_a_link_has_nothing_left_in_line_there() -> None:
     assert drain(old) == [(2, 0)]
     assert drain(new) == [(1, 0), (1, 1), (1, 2), (1, 3)]
     assert 1 not in old.messages
+
+
+def test_a_fragment_acknowledged_while_it_waits_in_line_does_not_end_the_round() -> None:
+    # Given a retransmission round of a large message, its first fragment written
+    link = Link("tcp://x:1")
+    large = message(1, 4)
+    link.start_round(large, 0.0)
+    entry = link.pop(0.0, False, 10.0)
+    assert entry is not None and entry.index == 0
+    link.written(large, 0, 0.0)
+    # When the next one in line is acknowledged before it goes (a late acknowledgement
+    # of the round before, through a network that delays and reorders frames)
+    large.acked.add(1)
+    # Then the round goes on with the fragments after it, and then waits for their
+    # acknowledgement (it stalled: nothing in line, no retransmission clock, so the
+    # message was never sent again)
+    assert drain(link, now=0.5) == [(1, 2), (1, 3)]
+    assert large.due == 1.5

@@ -111,13 +111,13 @@ class Link:
 
     def pop(self, now: float, honor_priority: bool, starvation_after: float) -> _Entry | None:
         """The next fragment to write, or ``None``."""
-        oldest = self._first_live(self._by_age)
+        oldest = self._first_live(self._by_age, now)
         if oldest is None:
             return None
         if honor_priority:
             _ticket, entry = oldest
             if now - entry.queued_at < starvation_after:
-                best = self._first_live(self._by_priority)
+                best = self._first_live(self._by_priority, now)
                 assert best is not None
                 entry = best[2]
         else:
@@ -125,19 +125,22 @@ class Link:
         entry.live = False
         return entry
 
-    def _first_live(self, heap: list[Any]) -> Any:
+    def _first_live(self, heap: list[Any], now: float) -> Any:
         while heap:
             entry: _Entry = heap[0][-1]
             message = entry.message
-            if (
-                entry.live
-                and entry.line == message.line
-                and not message.done
-                and entry.index not in message.acked
-            ):
+            current = entry.live and entry.line == message.line and not message.done
+            if current and entry.index not in message.acked:
                 return heap[0]
             entry.live = False
             heapq.heappop(heap)
+            if current:
+                # Acknowledged while it waited in line (a late acknowledgement of the
+                # round before): the round goes on with the fragment after it, or starts
+                # its retransmission clock. It is the one fragment of the message in
+                # line, so skipping it alone would end the round with nothing sent and
+                # nothing due: the message would never go again.
+                self.written(message, entry.index, now)
         return None
 
     def remove(self, message: Outgoing) -> None:
