@@ -1116,6 +1116,11 @@ def main(argv: list[str] | None = None) -> int:
         # as a progress line, a failure as one error line. The long-running services log.
         logging.getLogger("scheduler_lib").addHandler(logging.NullHandler())
     try:
+        if args.command in ("run", "serve", "worker"):
+            # Their readers read it as they start: a bad value is said here, at once.
+            from scheduler_lib.scheduler.executor import prefetch_setting
+
+            prefetch_setting()
         return int(args.run(args))
     except Exception as exc:
         if args.verbose:

@@ -295,21 +295,25 @@ class Broker(
         lease: float = leasing.DEFAULT_LEASE,
         worker: str | None = None,
         durable: bool = True,
+        top: int = 1,
     ) -> tuple[list[leasing.Lease], list[tuple[Any, ...]] | None]:
-        """:meth:`take` of one message with ``durable=False``, and in the same round trip
-        the named statement ``query`` (of :meth:`use_queries`) in a transaction of its
-        own that commits durably — which flushes the take too: what a worker records
-        before the work begins ("started") at no round trip of its own. The statement
-        finds the leases as ``message_leases`` rows of ``worker = :holder`` and
+        """:meth:`take` of up to ``top`` messages with ``durable=False``, and in the same
+        round trip the named statement ``query`` (of :meth:`use_queries`) in a transaction
+        of its own that commits durably — which flushes the take too: what a worker
+        records before the work begins ("started") at no round trip of its own. The
+        statement finds the leases as ``message_leases`` rows of ``worker = :holder`` and
         ``taken_at = :taken_at`` (both bound here, besides ``params``).
 
         :param durable: ``False``: the statement's transaction commits without waiting
             for the WAL flush too (what it records may be lost with the take in a
             database crash, the message then going back to its queue)
+        :param top: most messages to take (of one conversation group, as RECEIVE's);
+            where the one-statement take cannot be used, one
         :return: the leases and the statement's rows — ``None`` when it did not run or
             its outcome is unknown (another dialect, a failure, a lost reply): record
             each lease the usual way then (the statement must be idempotent)
         """
+        top = checks.positive_int(top, "top")
         duration = checks.timeout(lease, "lease")
         if not duration:
             raise exceptions.InvalidArgument("a lease needs a duration greater than 0 seconds")
@@ -317,7 +321,7 @@ class Broker(
         record = leasing_ops.Record(query, params, durable)
         wait = checks.timeout(timeout)
         taken = self.retrying(  # as every operation on the broker, through a lost connection
-            lambda: self._take_alone(queue, 1, duration, holder, wait, record),
+            lambda: self._take_alone(queue, top, duration, holder, wait, record),
             what="take_recorded",
         )
         if taken is None:  # the dialect or the queue needs the checked take: at once

@@ -34,6 +34,7 @@ from scheduler_lib.broker import (
     ConversationStateError,
     DatabaseError,
     DatabaseUnavailable,
+    InvalidArgument,
     LeaseLost,
     SentBy,
     Transaction,
@@ -44,6 +45,7 @@ from scheduler_lib.broker.poison import PoisonEvent
 from scheduler_lib.scheduler import catalog, logs, metrics
 from scheduler_lib.scheduler.errors import InvalidTask, KindNotAllowed
 from scheduler_lib.scheduler.kinds import Task, TaskContext, as_task, get_kind, job_group_of
+from scheduler_lib.scheduler.prefetch import PREFETCH, Prefetched
 from scheduler_lib.scheduler.semaphores import Semaphores
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,10 @@ class Executor:
         process and reader; the Spark worker adds its application id)
     :param spark_application: (application id, UI URL) of the Spark application this
         executor's tasks run in, recorded with each task's start
+    :param prefetch: most tasks one take gets while the queue's tasks run short, the
+        others held for this process's next free reader, each started when it runs
+        (:mod:`~scheduler_lib.scheduler.prefetch`; default ``SCHEDULER_LIB_EXECUTOR_PREFETCH``,
+        else 4; 1 turns it off). PostgreSQL, without a Spark application.
     """
 
     def __init__(
@@ -98,6 +104,7 @@ class Executor:
         idle_timeout: float | None = None,
         worker: Callable[[], str] | None = None,
         spark_application: tuple[str, str | None] | None = None,
+        prefetch: int | None = None,
     ) -> None:
         catalog.prepare(broker)
         self.broker = broker
@@ -116,6 +123,10 @@ class Executor:
         self.semaphores = Semaphores(broker)
         self.worker = worker or worker_id
         self.spark_application = spark_application
+        self.prefetch = prefetch if prefetch is not None else prefetch_setting()
+        if self.prefetch < 1:
+            raise InvalidArgument(f"prefetch must be at least 1, not {self.prefetch}")
+        self._prefetched = Prefetched.of(broker, queue)
         self._cancels = CancelWatcher.of(broker)
         self._targets: _Targets | None = None
         self._remote: dict[str, bool] = {}  # conversation handle -> from another broker
@@ -126,6 +137,16 @@ class Executor:
 
         :return: how many messages were handled
         """
+        try:
+            return self._serve(stop)
+        finally:
+            stopping = activation.stopping() or (stop is not None and stop.is_set())
+            if stopping and not self.broker.closed:
+                # What this process took ahead goes back for others (its readers stop).
+                with contextlib.suppress(DatabaseError):
+                    self._prefetched.give_back()
+
+    def _serve(self, stop: threading.Event | None) -> int:
         handled = 0
         idle_since = time.monotonic()
         while not activation.stopping() and not (stop is not None and stop.is_set()):
@@ -156,7 +177,11 @@ class Executor:
         # reader at once; the durable commit of the task's start flushes it before the
         # task runs (a crash before that puts the message back: nothing ran).
         recorded: frozenset[str] = frozenset()  # leases whose start the take recorded
-        if self.spark_application is None and self.broker.features.one_statement_take:
+        started_at: float | None = None  # a held task's start instant
+        held = self._prefetched.pop()
+        if held is not None:  # taken ahead by this process: started now
+            leases, started_at = [held], time.time()
+        elif self.spark_application is None and self.broker.features.one_statement_take:
             # PostgreSQL: that start is a second transaction in the take's round trip,
             # saving one per task (a task it did not start is started below). With a
             # Spark application the start also names the job group: recorded below.
@@ -172,15 +197,18 @@ class Executor:
                 timeout=timeout,
                 lease=self.lease,
                 durable=self._durable_start(),
+                top=self._prefetched.top(self.prefetch),
             )
             recorded = frozenset(str(row[0]) for row in rows or ())
+            if len(leases) > 1:
+                leases = [self._hold_rest(leases, recorded)]
         else:
             leases = self.broker.take(self.queue, timeout=timeout, lease=self.lease, durable=False)
         if not leases:
             return False
         lease = leases[0]
         try:
-            started = self._start_riding_through(lease, lease.lease_id in recorded)
+            started = self._start_riding_through(lease, lease.lease_id in recorded, started_at)
         except DatabaseError:
             # Its start could not be recorded: it goes back to its queue untouched (not
             # a failure), or, with the database still away, its lease expires later.
@@ -203,13 +231,34 @@ class Executor:
                 self._run(lease, *started)
         return True
 
-    def _start_riding_through(self, lease: Lease, recorded: bool) -> Started | None:
+    def _hold_rest(self, leases: list[Lease], recorded: frozenset[str]) -> Lease:
+        """Of a take of several, the lease to run now — the one whose start the take
+        recorded, else the first — with the rest held for this process's next free
+        reader; those below its level go back to the queue at once (a take holds no
+        task that a higher one would wait behind)."""
+        first = next((lease for lease in leases if lease.lease_id in recorded), leases[0])
+        rest = [lease for lease in leases if lease is not first]
+        lower = [lease for lease in rest if lease.message.priority < first.message.priority]
+        kept = [lease for lease in rest if lease not in lower]
+        for lease in lower:
+            try:
+                self.broker.release(lease)
+            except LeaseLost:
+                pass  # it expired meanwhile: its queue's poison policy has it
+            except DatabaseError:
+                kept.append(lease)  # held (renewed) until it goes back or runs
+        self._prefetched.hold(kept)
+        return first
+
+    def _start_riding_through(
+        self, lease: Lease, recorded: bool, at: float | None = None
+    ) -> Started | None:
         """:meth:`_start`, again while the database is away past the reconnect deadline
         (each call rides through up to it), unless this reader is asked to stop."""
         while True:
             try:
                 return self.broker.retrying(
-                    lambda: self._start(lease, recorded), what="a task's start"
+                    lambda: self._start(lease, recorded, at), what="a task's start"
                 )
             except (DatabaseUnavailable, ConnectionLost) as exc:
                 if activation.stopping():
@@ -265,9 +314,10 @@ class Executor:
 
     # --- starting --------------------------------------------------------------------
 
-    def _start(self, lease: Lease, recorded: bool) -> Started | None:
+    def _start(self, lease: Lease, recorded: bool, at: float | None = None) -> Started | None:
         """End dialogs, refuse what cannot run, record the start (durably) unless the
-        take ``recorded`` it already. Returns what to run — this broker's log id, the
+        take ``recorded`` it already; ``at``: its instant (a held task's), fixed across
+        tries. Returns what to run — this broker's log id, the
         task, where it came from when that is another broker, and the Airflow task
         instance that sent it — or ``None`` when it was dealt with here."""
         message = lease.message
@@ -326,8 +376,9 @@ class Executor:
             job_group=job_group,
             ui_url=ui_url,
             # The take's instant where it is known: a start the take's round trip may
-            # have recorded already (its reply lost) is then not counted twice.
-            now=lease.taken_at if lease.taken_at is not None else time.time(),
+            # have recorded already (its reply lost) is then not counted twice. A task
+            # held after its take starts when it runs.
+            now=at if at is not None else lease.taken_at or time.time(),
         )
         if not started and not self.broker.holds(lease):
             # A server crash undid our take (it committed without the WAL flush): the
@@ -440,6 +491,7 @@ class Executor:
                 if context.cancelled.is_set():  # it stopped because it was told to
                     status = CANCELLED
                     error = f"{context.cancel_reason} (it was running: {_error(exc)})"[:ERROR_LIMIT]
+        self._prefetched.ran(time.time() - began)
         encoded = _result(result)
         finish = {
             "log_id": log_id,
@@ -770,6 +822,23 @@ class Origin:
 
 
 _process_id: tuple[int, str] | None = None  # (pid, "host:pid"), remade after a fork
+
+
+def prefetch_setting() -> int:
+    """``SCHEDULER_LIB_EXECUTOR_PREFETCH``, else 4 (:mod:`~scheduler_lib.scheduler.prefetch`)."""
+    text = os.environ.get("SCHEDULER_LIB_EXECUTOR_PREFETCH", "").strip()
+    if not text:
+        return PREFETCH
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise InvalidArgument(
+            f"SCHEDULER_LIB_EXECUTOR_PREFETCH={text!r}: give a whole number of tasks, at "
+            "least 1 (1: no prefetch)"
+        )
+    return value
 
 
 def worker_id() -> str:

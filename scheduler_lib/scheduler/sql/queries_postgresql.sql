@@ -36,16 +36,20 @@ FROM unnest(
 ) AS t(log_id, name, kind, body);
 
 -- name: log_start_taken
--- log_start for the tasks one take made, in the take's round trip (Broker.take_recorded:
+-- log_start for the first task one take made, in the take's round trip (Broker.take_recorded:
 -- a transaction of its own after the take's, committed durably, which flushes the take
 -- too): the start is durable before the task runs, at no round trip of its own. The
 -- leases :holder took at :taken_at; only task messages of this broker's own schedulers
 -- (the row's conversation's initiator is here, and it is no copy of another broker's)
--- whose target runs their kind. The executor starts every other lease its own way.
+-- whose target runs their kind. One task only, the first by level and arrival: a take
+-- of several (the executor's prefetch) runs the others later, each started when it
+-- runs, so that no row says RUNNING before its task does. The executor starts every
+-- other lease its own way.
 -- MATERIALIZED: the few leases first, then each row by its primary key.
 WITH taken AS MATERIALIZED (
     SELECT l.lease_id, l.service_name, i.conversation_handle AS scheduler_handle,
-        CAST(convert_from(l.message_body, 'UTF8') AS jsonb) AS body
+        CAST(convert_from(l.message_body, 'UTF8') AS jsonb) AS body, l.priority,
+        l.enqueued_at, l.message_sequence_number
     FROM message_leases l
     JOIN conversation_endpoints t ON t.conversation_handle = l.conversation_handle
     JOIN conversation_endpoints i ON i.conversation_id = t.conversation_id AND i.is_initiator
@@ -57,6 +61,8 @@ WITH taken AS MATERIALIZED (
             THEN CAST(m.body ->> 'log_id' AS BIGINT) END AS log_id
     FROM taken m JOIN scheduler_targets s ON s.service_name = m.service_name
     WHERE (m.body -> 'task' ->> 'kind') = ANY (string_to_array(s.allowed_kinds, ','))
+    ORDER BY m.priority DESC, m.enqueued_at, m.message_sequence_number
+    LIMIT 1
 )
 UPDATE execution_log e
 SET status = 'RUNNING', start_time = :taken_at, worker_id = :worker,

@@ -1,0 +1,182 @@
+"""Tasks an executor took ahead (prefetch): one take of several tasks, each started only
+when a reader of this process runs it.
+
+A take is the costliest statement of a task's path on PostgreSQL, and it serves one
+reader at a time per conversation group (a wave is one): taking one task per take
+serializes a wave's readers on it. While a queue's tasks run short, an executor takes up
+to ``prefetch`` tasks at once: it runs the first (whose start the take recorded) and
+leaves the others here, under their leases (renewed by the broker's lease keeper), for
+the next reader of this process that looks for work — its own next look, or a sibling's.
+A task held here is ``QUEUED`` in its row: its start is recorded, durably, when it runs,
+as every start is (``Executor._start``), so the execution status never shows a task
+running before it does, and a task cancelled meanwhile is answered, not run.
+
+What it costs, and its bounds:
+
+- A held task is out of its queue: another process's idle reader cannot take it. Tasks
+  are held only while this queue's tasks run short (their typical run below
+  ``SHORT``; a long run turns prefetch off at once), and a task held for ``HOLD``
+  seconds without a free reader (this process's readers all busy with long tasks) goes
+  back to its queue, where any reader can take it.
+- Priority: a take holds tasks of the first task's level only (lower ones go back at
+  once); a task of a higher level that arrives after the take waits for the few held
+  ones of this process, at most ``prefetch - 1`` per take.
+- A reader that stops (its runtime stopping) gives every held task back; a process that
+  dies leaves them to their leases' expiry, as the task it was running.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from scheduler_lib.broker import Broker, DatabaseError, LeaseLost
+from scheduler_lib.broker.leases import Lease
+
+log = logging.getLogger(__name__)
+
+PREFETCH = 4  # tasks a reader takes per look while its queue's tasks run short
+SHORT = 0.05  # seconds: below this typical run a queue's tasks run short
+HOLD = 1.0  # seconds a held task waits for a free reader before it goes back
+SWEEPER_IDLE = 5  # rounds of HOLD with nothing held before the sweeper thread ends
+
+
+class Prefetched:
+    """The leases this process's executors of one queue took ahead and have not started
+    yet (one per broker and queue: :meth:`of`), oldest first."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, broker: Broker, queue: str) -> None:
+        self.broker = broker
+        self.queue = queue
+        self._held: collections.deque[tuple[Lease, float, contextlib.ExitStack]] = (
+            collections.deque()
+        )
+        self._guard = threading.Lock()
+        self._typical: float | None = None  # seconds a task of this queue typically runs
+        self._sweeper: threading.Thread | None = None
+
+    @classmethod
+    def of(cls, broker: Broker, queue: str) -> Prefetched:
+        with cls._lock:
+            registry = getattr(broker, "_prefetched", None)
+            if registry is None:
+                registry = broker._prefetched = {}  # type: ignore[attr-defined]
+            found: Prefetched | None = registry.get(queue)
+            if found is None:
+                found = registry[queue] = cls(broker, queue)
+            return found
+
+    # --- how many to take ------------------------------------------------------------
+
+    def ran(self, seconds: float) -> None:
+        """A task of this queue ran for ``seconds``: a longer run than the typical one
+        counts at once (one long task turns prefetch off), shorter ones slowly."""
+        typical = self._typical
+        if typical is None or seconds > typical:
+            self._typical = seconds
+        else:
+            self._typical = 0.8 * typical + 0.2 * seconds
+
+    def top(self, prefetch: int) -> int:
+        """How many tasks a take asks for: ``prefetch`` while this queue's tasks run
+        short, else (and before any ran here) one."""
+        typical = self._typical
+        return prefetch if typical is not None and typical < SHORT else 1
+
+    # --- holding ---------------------------------------------------------------------
+
+    def hold(self, leases: Sequence[Lease]) -> None:
+        """Keep ``leases`` (taken, not started) for this process's next free reader."""
+        now = time.monotonic()
+        entries = []
+        for lease in leases:
+            keeping = contextlib.ExitStack()
+            keeping.enter_context(self.broker.keep_alive([lease]))
+            entries.append((lease, now, keeping))
+        with self._guard:
+            self._held.extend(entries)
+            if self._sweeper is None or not self._sweeper.is_alive():
+                self._sweeper = threading.Thread(
+                    target=self._sweep, name=f"prefetch-sweeper-{self.queue}", daemon=True
+                )
+                self._sweeper.start()
+
+    def pop(self) -> Lease | None:
+        """The oldest held lease, no longer held (``None``: none is)."""
+        if not self._held:  # the common case, without the lock
+            return None
+        with self._guard:
+            if not self._held:
+                return None
+            lease, _, keeping = self._held.popleft()
+        keeping.close()  # the reader renews it while the task runs
+        return lease
+
+    def give_back(self, older_than: float | None = None) -> int:
+        """Put held leases back on their queue — every one, or those held longer than
+        ``older_than`` seconds; one that cannot be given back now (the database away)
+        stays held, renewed, for the next try. How many went back."""
+        now = time.monotonic()
+        with self._guard:
+            going = [e for e in self._held if older_than is None or now - e[1] >= older_than]
+            for entry in going:
+                self._held.remove(entry)
+        back = 0
+        kept = []
+        for entry in going:
+            lease, _, keeping = entry
+            try:
+                self.broker.release(lease)
+                back += 1
+            except LeaseLost:
+                pass  # it expired meanwhile: its queue's poison policy has it
+            except DatabaseError as exc:
+                log.warning("a prefetched task of %s stays held: %s", self.queue, exc)
+                kept.append(entry)
+                continue
+            keeping.close()
+        if kept:
+            with self._guard:
+                self._held.extendleft(reversed(kept))
+        return back
+
+    def _sweep(self) -> None:
+        """Give back what waited ``HOLD`` seconds for a reader; end after a while with
+        nothing held (the next hold starts another)."""
+        idle = 0
+        while not self.broker.closed:
+            with self._guard:
+                oldest = self._held[0][1] if self._held else None
+            if oldest is None:
+                idle += 1
+                if idle > SWEEPER_IDLE:
+                    with self._guard:
+                        if not self._held:
+                            self._sweeper = None
+                            return
+                time.sleep(HOLD)
+                continue
+            idle = 0
+            wait = oldest + HOLD - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+                continue
+            went = self.give_back(older_than=HOLD)
+            with self._guard:
+                stuck = bool(self._held) and time.monotonic() - self._held[0][1] >= HOLD
+            if stuck:  # the database is away: try again in a while, not at once
+                time.sleep(HOLD)
+            if went:
+                log.info(
+                    "%d prefetched task(s) of %s went back to their queue: no reader of "
+                    "this process was free for %.1f s",
+                    went,
+                    self.queue,
+                    HOLD,
+                )

@@ -1,0 +1,240 @@
+"""An executor's prefetch on PostgreSQL (``scheduler_lib.scheduler.prefetch``): while a
+queue's tasks run short, one take gets several tasks; the executor runs the first, whose
+start the take recorded, and holds the others for this process's next free reader.
+What must hold: a held task is QUEUED in its row until it runs (its start recorded
+then, durably), each task runs once; a held task that no reader of the process is free
+for goes back to its queue for any other reader; a stopping reader gives back what it
+held; a take holds nothing below its first task's level."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from scheduler_lib.broker import Broker
+from scheduler_lib.scheduler import Executor, Task, TaskScheduler
+from scheduler_lib.scheduler import prefetch as prefetching
+
+pytestmark = pytest.mark.postgres
+
+QUEUE = "QueueAsyncTarget"
+DEADLINE = 30.0  # seconds any wait below gives its condition
+
+_released = threading.Event()
+
+
+def hold_until_released() -> str:
+    """A task that runs until the test lets it go (a long task, as far as prefetch sees)."""
+    if not _released.wait(DEADLINE):
+        raise TimeoutError("the test never let this task go")
+    return "let go"
+
+
+@pytest.fixture
+def broker(pg_scheduler_broker: Broker) -> Iterator[Broker]:
+    _released.clear()
+    yield pg_scheduler_broker
+    _released.set()  # a task still held by a failed test ends
+
+
+def _warm(scheduler: TaskScheduler, executor: Executor) -> None:
+    """One short task run: the queue's tasks are known to run short from then on."""
+    handle = scheduler.get_scheduler()
+    scheduler.exec_async(handle, Task.python("builtins:abs", -1))
+    assert executor.run_one(timeout=5)
+    assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+
+
+def _statuses(broker: Broker, log_ids: list[int]) -> dict[int, str]:
+    return {i: broker.fetch("log_get", log_id=i)[0]["status"] for i in log_ids}
+
+
+def _wait_until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {DEADLINE} s: {what}")
+        time.sleep(0.02)
+
+
+def test_a_take_of_several_starts_each_task_only_when_it_runs(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (held tasks wait for this reader however slow the machine: none goes back)
+    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)
+    scheduler = TaskScheduler(broker)
+    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4)
+    _warm(scheduler, executor)
+    handle = scheduler.get_scheduler()
+    log_ids = scheduler.exec_many(
+        handle, [Task.python("builtins:abs", -n, name=f"t{n}") for n in range(8)]
+    )
+    takes: list[int] = []
+    take = broker.take_recorded
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        leases, rows = take(*args, **kwargs)
+        takes.append(len(leases))
+        return leases, rows
+
+    seen: list[tuple[int, dict[int, str]]] = []
+    run = executor._run
+
+    def watching(lease: Any, log_id: int, *rest: Any) -> None:
+        # What the log says while this task is about to run: it alone is RUNNING
+        seen.append((log_id, _statuses(broker, log_ids)))
+        run(lease, log_id, *rest)
+
+    monkeypatch.setattr(broker, "take_recorded", counting)
+    monkeypatch.setattr(executor, "_run", watching)
+    # When one reader runs the wave
+    for _ in log_ids:
+        assert executor.run_one(timeout=5)
+    # Then takes got several tasks at once (fewer takes than tasks)
+    assert sum(takes) == len(log_ids) and len(takes) < len(log_ids), takes
+    # And at every task's run, it was the only RUNNING row; the others QUEUED or done
+    assert len(seen) == len(log_ids)
+    for log_id, statuses in seen:
+        running = [i for i, s in statuses.items() if s == "RUNNING"]
+        assert running == [log_id], (log_id, statuses)
+    # And each ran once, each started after the one before it ended (one reader)
+    rows = [broker.fetch("log_get", log_id=i)[0] for i in log_ids]
+    assert [(r["status"], r["attempts"]) for r in rows] == [("SUCCEEDED", 1)] * len(rows)
+    by_start = sorted(rows, key=lambda r: r["start_time"])
+    for before, after in itertools.pairwise(by_start):
+        assert after["start_time"] >= before["end_time"], (before, after)
+    assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+
+
+def test_held_tasks_go_back_when_no_reader_of_the_process_is_free(
+    broker: Broker, postgres_url: str
+) -> None:
+    scheduler = TaskScheduler(broker)
+    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4, worker=lambda: "busy")
+    _warm(scheduler, executor)
+    # Given a wave whose first task runs long, taken with three short ones by a process
+    # whose one reader is busy with it
+    handle = scheduler.get_scheduler()
+    long_id, *short_ids = scheduler.exec_many(
+        handle,
+        [Task.python(f"{__name__}:hold_until_released", name="long")]
+        + [Task.python("builtins:abs", -n, name=f"short{n}") for n in range(3)],
+    )
+    busy = threading.Thread(target=executor.run_one, kwargs={"timeout": 5})
+    busy.start()
+    try:
+        _wait_until(
+            lambda: _statuses(broker, [long_id])[long_id] == "RUNNING", "the long task runs"
+        )
+        # When another process's reader looks for work while the long task runs
+        other = Broker(postgres_url, timers=False)
+        try:
+            elsewhere = Executor(other, QUEUE, idle_timeout=1, prefetch=1, worker=lambda: "free")
+            ran_elsewhere = 0
+            deadline = time.monotonic() + DEADLINE
+            while ran_elsewhere < len(short_ids) and time.monotonic() < deadline:
+                ran_elsewhere += elsewhere.run_one(timeout=1)
+        finally:
+            other.close()
+        # Then the three held tasks went back to the queue (after HOLD) and ran there,
+        # while the long one still runs
+        assert ran_elsewhere == len(short_ids)
+        assert _statuses(broker, [long_id])[long_id] == "RUNNING"
+        rows = [broker.fetch("log_get", log_id=i)[0] for i in short_ids]
+        assert [(r["status"], r["attempts"], r["worker_id"]) for r in rows] == [
+            ("SUCCEEDED", 1, "free")
+        ] * len(short_ids)
+    finally:
+        _released.set()
+        busy.join(DEADLINE)
+    assert not busy.is_alive()
+    assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+    (row,) = broker.fetch("log_get", log_id=long_id)
+    assert (row["status"], row["attempts"], row["worker_id"]) == ("SUCCEEDED", 1, "busy")
+
+
+def test_a_stopping_reader_gives_back_what_it_holds(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)  # only the stop gives them back
+    scheduler = TaskScheduler(broker)
+    executor = Executor(broker, QUEUE, idle_timeout=30, prefetch=4)
+    _warm(scheduler, executor)
+    handle = scheduler.get_scheduler()
+    long_id, *short_ids = scheduler.exec_many(
+        handle,
+        [Task.python(f"{__name__}:hold_until_released", name="long")]
+        + [Task.python("builtins:abs", -n, name=f"short{n}") for n in range(3)],
+    )
+    stop = threading.Event()
+    serving = threading.Thread(target=executor.serve, args=(stop,))
+    serving.start()
+    try:
+        _wait_until(
+            lambda: _statuses(broker, [long_id])[long_id] == "RUNNING", "the long task runs"
+        )
+        # Given the three short tasks held (none on the queue, none started)
+        assert len(broker.peek(QUEUE)) == 0
+        assert set(_statuses(broker, short_ids).values()) == {"QUEUED"}
+        # When the reader is asked to stop, and its long task ends
+        stop.set()
+        _released.set()
+        serving.join(DEADLINE)
+        assert not serving.is_alive()
+    finally:
+        stop.set()
+        _released.set()
+    # Then what it held is back on the queue, not started, and runs elsewhere once
+    assert len(broker.peek(QUEUE)) == len(short_ids)
+    assert set(_statuses(broker, short_ids).values()) == {"QUEUED"}
+    again = Executor(broker, QUEUE, idle_timeout=1, prefetch=1)
+    for _ in short_ids:
+        assert again.run_one(timeout=5)
+    assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+    rows = [broker.fetch("log_get", log_id=i)[0] for i in [long_id, *short_ids]]
+    assert [(r["status"], r["attempts"]) for r in rows] == [("SUCCEEDED", 1)] * len(rows)
+
+
+def test_a_task_cancelled_while_held_is_answered_not_run(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)  # none goes back meanwhile
+    scheduler = TaskScheduler(broker)
+    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4)
+    _warm(scheduler, executor)
+    handle = scheduler.get_scheduler()
+    first, *held = scheduler.exec_many(
+        handle, [Task.python("builtins:abs", -n, name=f"t{n}") for n in range(4)]
+    )
+    # Given one take got the four tasks: the first ran, three are held
+    assert executor.run_one(timeout=5)
+    assert _statuses(broker, held) == dict.fromkeys(held, "QUEUED")
+    assert broker.peek(QUEUE) == []
+    # When the scheduler's queued tasks are cancelled, and the reader looks for work
+    assert scheduler.cancel_queued(handle, reason="not wanted") == len(held)
+    for _ in held:
+        assert executor.run_one(timeout=5)
+    # Then each held task was answered CANCELLED and never started
+    scheduler.synchronization(handle, timeout=5)
+    rows = [broker.fetch("log_get", log_id=i)[0] for i in held]
+    assert [(r["status"], r["attempts"]) for r in rows] == [("CANCELLED", 0)] * len(held)
+    (row,) = broker.fetch("log_get", log_id=first)
+    assert (row["status"], row["attempts"]) == ("SUCCEEDED", 1)
+    assert broker.leases(QUEUE) == []
+
+
+def test_one_long_task_turns_prefetch_off() -> None:
+    held = prefetching.Prefetched.__new__(prefetching.Prefetched)
+    held._typical = None
+    # Before any task ran, and after short ones, and after one long one
+    before = held.top(4)
+    held.ran(0.001)
+    short = held.top(4)
+    held.ran(2 * prefetching.SHORT)
+    after_long = held.top(4)
+    assert (before, short, after_long) == (1, 4, 1)
