@@ -143,8 +143,10 @@ class Executor:
             stopping = activation.stopping() or (stop is not None and stop.is_set())
             if stopping and not self.broker.closed:
                 # What this process took ahead goes back for others (its readers stop).
-                with contextlib.suppress(DatabaseError):
+                try:
                     self._prefetched.give_back()
+                except Exception:  # what went wrong is said; the reader stops anyway
+                    log.exception("giving back the prefetched tasks of %s failed", self.queue)
 
     def _serve(self, stop: threading.Event | None) -> int:
         handled = 0
@@ -185,11 +187,12 @@ class Executor:
             # PostgreSQL: that start is a second transaction in the take's round trip,
             # saving one per task (a task it did not start is started below). With a
             # Spark application the start also names the job group: recorded below.
+            worker = self.worker()
             leases, rows = self.broker.take_recorded(
                 self.queue,
                 "log_start_taken",
                 {
-                    "worker": self.worker(),
+                    "worker": worker,
                     "activated_task_id": activation.current_reader(),
                     "end_dialog": END_DIALOG,
                     "error": ERROR,
@@ -199,6 +202,8 @@ class Executor:
                 durable=self._durable_start(),
                 top=self._prefetched.top(self.prefetch),
             )
+            if rows is None and len(leases) > 1:
+                rows = self._started_by_take(leases, worker)
             recorded = frozenset(str(row[0]) for row in rows or ())
             if len(leases) > 1:
                 leases = [self._hold_rest(leases, recorded)]
@@ -231,6 +236,28 @@ class Executor:
                 self._run(lease, *started)
         return True
 
+    def _started_by_take(self, leases: list[Lease], worker: str) -> list[tuple[str]]:
+        """The leases whose start the take's statement recorded, read back when its
+        reply was lost: of several, the one it started must run first, not wait held
+        while its row says RUNNING."""
+        by_log_id: dict[int, str] = {}
+        for lease in leases:
+            with contextlib.suppress(Exception):  # not a task (EndDialog, a bad body)
+                by_log_id[int(lease.message.json()["log_id"])] = lease.lease_id
+        if not by_log_id or leases[0].taken_at is None:
+            return []
+        try:
+            found = self.broker.fetch(
+                "log_started_in_take",
+                log_ids=list(by_log_id),
+                worker=worker,
+                taken_at=leases[0].taken_at,
+            )
+        except DatabaseError as exc:
+            log.warning("which task a take started is unknown: %s", exc)
+            return []
+        return [(by_log_id[int(row["log_id"])],) for row in found]
+
     def _hold_rest(self, leases: list[Lease], recorded: frozenset[str]) -> Lease:
         """Of a take of several, the lease to run now — the one whose start the take
         recorded, else the first — with the rest held for this process's next free
@@ -240,14 +267,16 @@ class Executor:
         rest = [lease for lease in leases if lease is not first]
         lower = [lease for lease in rest if lease.message.priority < first.message.priority]
         kept = [lease for lease in rest if lease not in lower]
-        for lease in lower:
-            try:
-                self.broker.release(lease)
-            except LeaseLost:
-                pass  # it expired meanwhile: its queue's poison policy has it
-            except DatabaseError:
-                kept.append(lease)  # held (renewed) until it goes back or runs
-        self._prefetched.hold(kept)
+        try:
+            for lease in lower:
+                try:
+                    self.broker.release(lease)
+                except LeaseLost:
+                    pass  # it expired meanwhile: its queue's poison policy has it
+                except Exception:
+                    kept.append(lease)  # held (renewed) until it goes back or runs
+        finally:
+            self._prefetched.hold(kept)
         return first
 
     def _start_riding_through(

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 PREFETCH = 4  # tasks a reader takes per look while its queue's tasks run short
 SHORT = 0.05  # seconds: below this typical run a queue's tasks run short
 HOLD = 1.0  # seconds a held task waits for a free reader before it goes back
-SWEEPER_IDLE = 5  # rounds of HOLD with nothing held before the sweeper thread ends
+SWEEPER_IDLE = 20  # ticks (HOLD / 4) with nothing held before the sweeper thread ends
 
 
 class Prefetched:
@@ -93,6 +93,8 @@ class Prefetched:
 
     def hold(self, leases: Sequence[Lease]) -> None:
         """Keep ``leases`` (taken, not started) for this process's next free reader."""
+        if not leases:
+            return
         now = time.monotonic()
         entries = []
         for lease in leases:
@@ -140,6 +142,15 @@ class Prefetched:
                 log.warning("a prefetched task of %s stays held: %s", self.queue, exc)
                 kept.append(entry)
                 continue
+            except Exception as exc:
+                # It cannot go back (its queue or conversation changed under it): no
+                # longer renewed, it expires, and the poison policy retries or fails it.
+                log.warning(
+                    "a prefetched task of %s could not go back to its queue; its lease "
+                    "will expire: %s",
+                    self.queue,
+                    exc,
+                )
             keeping.close()
         if kept:
             with self._guard:
@@ -149,34 +160,43 @@ class Prefetched:
     def _sweep(self) -> None:
         """Give back what waited ``HOLD`` seconds for a reader; end after a while with
         nothing held (the next hold starts another)."""
-        idle = 0
+        idle = 0  # rounds with nothing held
         while not self.broker.closed:
-            with self._guard:
-                oldest = self._held[0][1] if self._held else None
-            if oldest is None:
-                idle += 1
-                if idle > SWEEPER_IDLE:
-                    with self._guard:
-                        if not self._held:
-                            self._sweeper = None
-                            return
+            try:
+                idle = self._sweep_once(idle)
+            except Exception:  # a bug of ours: said, and the sweep goes on
+                log.exception("giving back prefetched tasks of %s failed", self.queue)
                 time.sleep(HOLD)
                 continue
-            idle = 0
-            wait = oldest + HOLD - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-                continue
-            went = self.give_back(older_than=HOLD)
-            with self._guard:
-                stuck = bool(self._held) and time.monotonic() - self._held[0][1] >= HOLD
-            if stuck:  # the database is away: try again in a while, not at once
-                time.sleep(HOLD)
-            if went:
-                log.info(
-                    "%d prefetched task(s) of %s went back to their queue: no reader of "
-                    "this process was free for %.1f s",
-                    went,
-                    self.queue,
-                    HOLD,
-                )
+            if idle > SWEEPER_IDLE:
+                with self._guard:
+                    if not self._held:
+                        self._sweeper = None
+                        return
+
+    def _sweep_once(self, idle: int) -> int:
+        """One round of :meth:`_sweep`: wait for the oldest held lease's ``HOLD`` (a
+        tick, with none held) and give back what waited that long. The idle rounds."""
+        with self._guard:
+            oldest = self._held[0][1] if self._held else None
+        if oldest is None:
+            time.sleep(HOLD / 4)  # a lease held meanwhile waits HOLD and a tick at most
+            return idle + 1
+        wait = oldest + HOLD - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+            return 0
+        went = self.give_back(older_than=HOLD)
+        with self._guard:
+            stuck = bool(self._held) and time.monotonic() - self._held[0][1] >= HOLD
+        if stuck:  # the database is away: try again in a while, not at once
+            time.sleep(HOLD)
+        if went:
+            log.info(
+                "%d prefetched task(s) of %s went back to their queue: no reader of this "
+                "process was free for %.1f s",
+                went,
+                self.queue,
+                HOLD,
+            )
+        return 0

@@ -36,8 +36,11 @@ def hold_until_released() -> str:
 
 
 @pytest.fixture
-def broker(pg_scheduler_broker: Broker) -> Iterator[Broker]:
+def broker(pg_scheduler_broker: Broker, monkeypatch: pytest.MonkeyPatch) -> Iterator[Broker]:
     _released.clear()
+    # A warm-up task counts as short however slow the machine is (a run past the
+    # threshold would turn prefetch off and leave these tests nothing to check)
+    monkeypatch.setattr(prefetching, "SHORT", DEADLINE)
     yield pg_scheduler_broker
     _released.set()  # a task still held by a failed test ends
 
@@ -112,7 +115,7 @@ def test_a_take_of_several_starts_each_task_only_when_it_runs(
 
 
 def test_held_tasks_go_back_when_no_reader_of_the_process_is_free(
-    broker: Broker, postgres_url: str
+    broker: Broker, postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     scheduler = TaskScheduler(broker)
     executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4, worker=lambda: "busy")
@@ -125,12 +128,21 @@ def test_held_tasks_go_back_when_no_reader_of_the_process_is_free(
         [Task.python(f"{__name__}:hold_until_released", name="long")]
         + [Task.python("builtins:abs", -n, name=f"short{n}") for n in range(3)],
     )
+    held: list[str] = []
+    hold = prefetching.Prefetched.hold
+
+    def holding(self: prefetching.Prefetched, leases: Any) -> None:
+        held.extend(lease.lease_id for lease in leases)
+        hold(self, leases)
+
+    monkeypatch.setattr(prefetching.Prefetched, "hold", holding)
     busy = threading.Thread(target=executor.run_one, kwargs={"timeout": 5})
     busy.start()
     try:
         _wait_until(
             lambda: _statuses(broker, [long_id])[long_id] == "RUNNING", "the long task runs"
         )
+        assert len(held) == len(short_ids)  # the take held the three short ones
         # When another process's reader looks for work while the long task runs
         other = Broker(postgres_url, timers=False)
         try:
@@ -226,6 +238,52 @@ def test_a_task_cancelled_while_held_is_answered_not_run(
     (row,) = broker.fetch("log_get", log_id=first)
     assert (row["status"], row["attempts"]) == ("SUCCEEDED", 1)
     assert broker.leases(QUEUE) == []
+
+
+def test_a_take_whose_reply_was_lost_runs_the_task_it_started_first(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)  # none goes back meanwhile
+    scheduler = TaskScheduler(broker)
+    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4)
+    _warm(scheduler, executor)
+    handle = scheduler.get_scheduler()
+    log_ids = scheduler.exec_many(
+        handle, [Task.python("builtins:abs", -n, name=f"t{n}") for n in range(4)]
+    )
+    # Given a take of four whose start statement committed but whose reply was lost,
+    # its leases handed over last first (the one started is not the first of the list)
+    take = broker.take_recorded
+    lost: list[int] = []
+
+    def losing(*args: Any, **kwargs: Any) -> Any:
+        leases, rows = take(*args, **kwargs)
+        if len(leases) > 1:
+            lost.append(len(rows or ()))
+            return list(reversed(leases)), None
+        return leases, rows
+
+    monkeypatch.setattr(broker, "take_recorded", losing)
+    seen: list[tuple[int, dict[int, str]]] = []
+    run = executor._run
+
+    def watching(lease: Any, log_id: int, *rest: Any) -> None:
+        seen.append((log_id, _statuses(broker, log_ids)))
+        run(lease, log_id, *rest)
+
+    monkeypatch.setattr(executor, "_run", watching)
+    # When one reader runs them
+    for _ in log_ids:
+        assert executor.run_one(timeout=5)
+    # Then the task the statement started ran first, each alone RUNNING at its run,
+    # and each counted one attempt
+    assert lost == [1]
+    assert seen[0][0] == log_ids[0]
+    for log_id, statuses in seen:
+        assert [i for i, s in statuses.items() if s == "RUNNING"] == [log_id], statuses
+    rows = [broker.fetch("log_get", log_id=i)[0] for i in log_ids]
+    assert [(r["status"], r["attempts"]) for r in rows] == [("SUCCEEDED", 1)] * len(rows)
+    assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
 
 
 def test_one_long_task_turns_prefetch_off() -> None:

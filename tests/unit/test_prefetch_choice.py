@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from scheduler_lib import cli
-from scheduler_lib.broker import DatabaseError, InvalidArgument
+from scheduler_lib.broker import ConversationStateError, DatabaseError, InvalidArgument
 from scheduler_lib.broker.leases import Lease
 from scheduler_lib.scheduler.executor import Executor, prefetch_setting
+from scheduler_lib.scheduler.prefetch import Prefetched
 
 
 def _lease(lease_id: str, priority: int) -> Lease:
@@ -101,3 +104,48 @@ def test_serve_says_a_bad_prefetch_setting_before_it_starts(
         "of tasks, at least 1 (1: no prefetch)"
     ]
     assert out == "" and not database.exists()  # nothing started, nothing written
+
+
+class _Renewing:
+    """A broker stand-in for ``Prefetched``: which leases are renewed, what release does."""
+
+    closed = False
+
+    def __init__(self, release: Any) -> None:
+        self.renewed: set[str] = set()
+        self.release = release
+
+    @contextlib.contextmanager
+    def keep_alive(self, leases: list[Lease]) -> Iterator[dict[str, Any]]:
+        self.renewed.update(lease.lease_id for lease in leases)
+        try:
+            yield {}
+        finally:
+            self.renewed.difference_update(lease.lease_id for lease in leases)
+
+
+@pytest.mark.parametrize(
+    ("error", "stays_held"),
+    [
+        (DatabaseError("the database is away"), True),
+        (ConversationStateError("the conversation ended"), False),
+        (RuntimeError("a bug"), False),
+    ],
+)
+def test_a_lease_that_cannot_go_back_is_kept_only_while_the_database_is_away(
+    error: Exception, stays_held: bool
+) -> None:
+    def release(lease: Lease) -> None:
+        if lease.lease_id == "b":
+            raise error
+
+    broker = _Renewing(release)
+    held = Prefetched(broker, "q")  # type: ignore[arg-type]
+    held.hold([_lease("a", 5), _lease("b", 5), _lease("c", 5)])
+    # When everything held goes back, and b's release fails
+    assert held.give_back() == 2
+    # Then a and c went back and are no longer renewed; b is held (and renewed) only
+    # when the database was away, else left to its lease's expiry — never renewed for ever
+    assert broker.renewed == ({"b"} if stays_held else set())
+    assert (held.pop() is not None) is stays_held
+    broker.closed = True  # its sweeper thread ends

@@ -35,6 +35,13 @@ FROM unnest(
     CAST(:bodies AS text[])
 ) AS t(log_id, name, kind, body);
 
+-- name: log_started_in_take
+-- Which of a take's tasks log_start_taken started, when its reply was lost: the rows it
+-- would have changed (this worker, the take's instant), by their primary keys.
+SELECT log_id FROM execution_log
+WHERE log_id = ANY (CAST(:log_ids AS BIGINT[])) AND worker_id = :worker
+AND start_time = :taken_at AND status = 'RUNNING';
+
 -- name: log_start_taken
 -- log_start for the first task one take made, in the take's round trip (Broker.take_recorded:
 -- a transaction of its own after the take's, committed durably, which flushes the take
