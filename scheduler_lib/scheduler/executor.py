@@ -202,6 +202,8 @@ class Executor:
                 durable=self._durable_start(),
                 top=self._prefetched.top(self.prefetch),
             )
+            if leases:
+                self._prefetched.took(leases[0].message.conversation_group_id)
             if rows is None and len(leases) > 1:
                 rows = self._started_by_take(leases, worker)
             recorded = frozenset(str(row[0]) for row in rows or ())

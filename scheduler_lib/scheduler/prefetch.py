@@ -21,6 +21,10 @@ What it costs, and its bounds:
 - Priority: a take holds tasks of the first task's level only (lower ones go back at
   once); a task of a higher level that arrives after the take waits for the few held
   ones of this process, at most ``prefetch - 1`` per take.
+- Fair share (and FIFO) across schedulers: a take asks for several only after
+  ``ONE_SCHEDULER`` takes in a row served one conversation group (one scheduler); while
+  the takes serve several in turn, each take gets one task, as without prefetch. A
+  scheduler that joins while another is prefetched waits one take of several at most.
 - A reader that stops (its runtime stopping) gives every held task back; a process that
   dies leaves them to their leases' expiry, as the task it was running.
 """
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 PREFETCH = 4  # tasks a reader takes per look while its queue's tasks run short
 SHORT = 0.05  # seconds: below this typical run a queue's tasks run short
 HOLD = 1.0  # seconds a held task waits for a free reader before it goes back
+ONE_SCHEDULER = 4  # takes in a row from one conversation group before prefetch
 SWEEPER_IDLE = 20  # ticks (HOLD / 4) with nothing held before the sweeper thread ends
 
 
@@ -59,6 +64,8 @@ class Prefetched:
         )
         self._guard = threading.Lock()
         self._typical: float | None = None  # seconds a task of this queue typically runs
+        # the conversation groups the last takes here came from (any reader's)
+        self._groups: collections.deque[object] = collections.deque(maxlen=ONE_SCHEDULER)
         self._sweeper: threading.Thread | None = None
 
     @classmethod
@@ -83,11 +90,23 @@ class Prefetched:
         else:
             self._typical = 0.8 * typical + 0.2 * seconds
 
+    def took(self, group: object) -> None:
+        """A take here got a message of conversation ``group``."""
+        self._groups.append(group)
+
     def top(self, prefetch: int) -> int:
         """How many tasks a take asks for: ``prefetch`` while this queue's tasks run
-        short, else (and before any ran here) one."""
+        short and its last takes all served one scheduler, else (and before any ran
+        here) one. Takes that serve several schedulers in turn are fair share at work
+        (or FIFO across them): a take of several would serve one of them several turns
+        at once."""
         typical = self._typical
-        return prefetch if typical is not None and typical < SHORT else 1
+        if typical is None or typical >= SHORT:
+            return 1
+        groups = self._groups
+        if len(groups) < ONE_SCHEDULER or any(g != groups[0] for g in list(groups)):
+            return 1
+        return prefetch
 
     # --- holding ---------------------------------------------------------------------
 

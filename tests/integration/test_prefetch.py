@@ -41,6 +41,9 @@ def broker(pg_scheduler_broker: Broker, monkeypatch: pytest.MonkeyPatch) -> Iter
     # A warm-up task counts as short however slow the machine is (a run past the
     # threshold would turn prefetch off and leave these tests nothing to check)
     monkeypatch.setattr(prefetching, "SHORT", DEADLINE)
+    # and one take from one scheduler is enough to prefetch from it (the rule that a run
+    # of takes must serve one scheduler first is the unit test's and the fairness test's)
+    monkeypatch.setattr(prefetching, "ONE_SCHEDULER", 1)
     yield pg_scheduler_broker
     _released.set()  # a task still held by a failed test ends
 
@@ -53,8 +56,48 @@ def _warm(scheduler: TaskScheduler, executor: Executor) -> None:
     assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
 
 
+def _short_wave(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch, n: int
+) -> tuple[TaskScheduler, Executor, Any, list[int]]:
+    """A warm reader with prefetch 4 whose held tasks never go back (however slow the
+    machine), and a wave of ``n`` short tasks sent to it."""
+    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)
+    scheduler = TaskScheduler(broker)
+    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4)
+    _warm(scheduler, executor)
+    handle = scheduler.get_scheduler()
+    log_ids = scheduler.exec_many(
+        handle, [Task.python("builtins:abs", -i, name=f"t{i}") for i in range(n)]
+    )
+    return scheduler, executor, handle, log_ids
+
+
+def _long_then_short(scheduler: TaskScheduler, handle: Any) -> list[int]:
+    """A wave of one task that runs until the test lets it go, then three short ones."""
+    return scheduler.exec_many(
+        handle,
+        [Task.python(f"{__name__}:hold_until_released", name="long")]
+        + [Task.python("builtins:abs", -n, name=f"short{n}") for n in range(3)],
+    )
+
+
 def _statuses(broker: Broker, log_ids: list[int]) -> dict[int, str]:
     return {i: broker.fetch("log_get", log_id=i)[0]["status"] for i in log_ids}
+
+
+def _watch_runs(
+    broker: Broker, executor: Executor, log_ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[int, dict[int, str]]]:
+    """(log id, every task's status) as each task is about to run, in run order."""
+    seen: list[tuple[int, dict[int, str]]] = []
+    run = executor._run
+
+    def watching(lease: Any, log_id: int, *rest: Any) -> None:
+        seen.append((log_id, _statuses(broker, log_ids)))
+        run(lease, log_id, *rest)
+
+    monkeypatch.setattr(executor, "_run", watching)
+    return seen
 
 
 def _wait_until(condition: Any, what: str) -> None:
@@ -68,15 +111,7 @@ def _wait_until(condition: Any, what: str) -> None:
 def test_a_take_of_several_starts_each_task_only_when_it_runs(
     broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # (held tasks wait for this reader however slow the machine: none goes back)
-    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)
-    scheduler = TaskScheduler(broker)
-    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4)
-    _warm(scheduler, executor)
-    handle = scheduler.get_scheduler()
-    log_ids = scheduler.exec_many(
-        handle, [Task.python("builtins:abs", -n, name=f"t{n}") for n in range(8)]
-    )
+    scheduler, executor, handle, log_ids = _short_wave(broker, monkeypatch, 8)
     takes: list[int] = []
     take = broker.take_recorded
 
@@ -85,16 +120,8 @@ def test_a_take_of_several_starts_each_task_only_when_it_runs(
         takes.append(len(leases))
         return leases, rows
 
-    seen: list[tuple[int, dict[int, str]]] = []
-    run = executor._run
-
-    def watching(lease: Any, log_id: int, *rest: Any) -> None:
-        # What the log says while this task is about to run: it alone is RUNNING
-        seen.append((log_id, _statuses(broker, log_ids)))
-        run(lease, log_id, *rest)
-
     monkeypatch.setattr(broker, "take_recorded", counting)
-    monkeypatch.setattr(executor, "_run", watching)
+    seen = _watch_runs(broker, executor, log_ids, monkeypatch)
     # When one reader runs the wave
     for _ in log_ids:
         assert executor.run_one(timeout=5)
@@ -123,11 +150,7 @@ def test_held_tasks_go_back_when_no_reader_of_the_process_is_free(
     # Given a wave whose first task runs long, taken with three short ones by a process
     # whose one reader is busy with it
     handle = scheduler.get_scheduler()
-    long_id, *short_ids = scheduler.exec_many(
-        handle,
-        [Task.python(f"{__name__}:hold_until_released", name="long")]
-        + [Task.python("builtins:abs", -n, name=f"short{n}") for n in range(3)],
-    )
+    long_id, *short_ids = _long_then_short(scheduler, handle)
     held: list[str] = []
     hold = prefetching.Prefetched.hold
 
@@ -178,11 +201,7 @@ def test_a_stopping_reader_gives_back_what_it_holds(
     executor = Executor(broker, QUEUE, idle_timeout=30, prefetch=4)
     _warm(scheduler, executor)
     handle = scheduler.get_scheduler()
-    long_id, *short_ids = scheduler.exec_many(
-        handle,
-        [Task.python(f"{__name__}:hold_until_released", name="long")]
-        + [Task.python("builtins:abs", -n, name=f"short{n}") for n in range(3)],
-    )
+    long_id, *short_ids = _long_then_short(scheduler, handle)
     stop = threading.Event()
     serving = threading.Thread(target=executor.serve, args=(stop,))
     serving.start()
@@ -215,14 +234,7 @@ def test_a_stopping_reader_gives_back_what_it_holds(
 def test_a_task_cancelled_while_held_is_answered_not_run(
     broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)  # none goes back meanwhile
-    scheduler = TaskScheduler(broker)
-    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4)
-    _warm(scheduler, executor)
-    handle = scheduler.get_scheduler()
-    first, *held = scheduler.exec_many(
-        handle, [Task.python("builtins:abs", -n, name=f"t{n}") for n in range(4)]
-    )
+    scheduler, executor, handle, (first, *held) = _short_wave(broker, monkeypatch, 4)
     # Given one take got the four tasks: the first ran, three are held
     assert executor.run_one(timeout=5)
     assert _statuses(broker, held) == dict.fromkeys(held, "QUEUED")
@@ -243,14 +255,7 @@ def test_a_task_cancelled_while_held_is_answered_not_run(
 def test_a_take_whose_reply_was_lost_runs_the_task_it_started_first(
     broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)  # none goes back meanwhile
-    scheduler = TaskScheduler(broker)
-    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4)
-    _warm(scheduler, executor)
-    handle = scheduler.get_scheduler()
-    log_ids = scheduler.exec_many(
-        handle, [Task.python("builtins:abs", -n, name=f"t{n}") for n in range(4)]
-    )
+    scheduler, executor, handle, log_ids = _short_wave(broker, monkeypatch, 4)
     # Given a take of four whose start statement committed but whose reply was lost,
     # its leases handed over last first (the one started is not the first of the list)
     take = broker.take_recorded
@@ -264,14 +269,7 @@ def test_a_take_whose_reply_was_lost_runs_the_task_it_started_first(
         return leases, rows
 
     monkeypatch.setattr(broker, "take_recorded", losing)
-    seen: list[tuple[int, dict[int, str]]] = []
-    run = executor._run
-
-    def watching(lease: Any, log_id: int, *rest: Any) -> None:
-        seen.append((log_id, _statuses(broker, log_ids)))
-        run(lease, log_id, *rest)
-
-    monkeypatch.setattr(executor, "_run", watching)
+    seen = _watch_runs(broker, executor, log_ids, monkeypatch)
     # When one reader runs them
     for _ in log_ids:
         assert executor.run_one(timeout=5)
@@ -287,8 +285,9 @@ def test_a_take_whose_reply_was_lost_runs_the_task_it_started_first(
 
 
 def test_one_long_task_turns_prefetch_off() -> None:
-    held = prefetching.Prefetched.__new__(prefetching.Prefetched)
-    held._typical = None
+    held = prefetching.Prefetched(None, QUEUE)  # type: ignore[arg-type]
+    for _ in range(prefetching.ONE_SCHEDULER):
+        held.took("one scheduler")
     # Before any task ran, and after short ones, and after one long one
     before = held.top(4)
     held.ran(0.001)

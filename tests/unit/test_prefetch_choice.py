@@ -14,7 +14,7 @@ from scheduler_lib import cli
 from scheduler_lib.broker import ConversationStateError, DatabaseError, InvalidArgument
 from scheduler_lib.broker.leases import Lease
 from scheduler_lib.scheduler.executor import Executor, prefetch_setting
-from scheduler_lib.scheduler.prefetch import Prefetched
+from scheduler_lib.scheduler.prefetch import ONE_SCHEDULER, Prefetched
 
 
 def _lease(lease_id: str, priority: int) -> Lease:
@@ -149,3 +149,15 @@ def test_a_lease_that_cannot_go_back_is_kept_only_while_the_database_is_away(
     assert broker.renewed == ({"b"} if stays_held else set())
     assert (held.pop() is not None) is stays_held
     broker.closed = True  # its sweeper thread ends
+
+
+def test_takes_that_serve_several_schedulers_in_turn_take_one_each() -> None:
+    held = Prefetched(None, "q")  # type: ignore[arg-type]
+    held.ran(0.001)  # the queue's tasks run short
+    tops = []
+    for group in ["a", "b", "a", "b", "a", "a", "a", "a", "b"]:
+        held.took(group)
+        tops.append(held.top(4))
+    # Only after ONE_SCHEDULER takes in a row from one scheduler; one from another ends it
+    assert ONE_SCHEDULER == 4
+    assert tops == [1, 1, 1, 1, 1, 1, 1, 4, 1]
