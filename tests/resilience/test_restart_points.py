@@ -46,6 +46,7 @@ from scheduler_lib.scheduler import (
     TaskScheduler,
     init,
 )
+from scheduler_lib.scheduler import prefetch as prefetching
 
 pytestmark = pytest.mark.postgres
 
@@ -85,6 +86,12 @@ class Point:
         for expired leases before the statement runs (the worst order for a lease)
     :param seconds: how long each task runs
     :param lease: the executor's lease
+    :param prefetch: the executor's takes get several tasks (its queue's tasks count as
+        short at once): it runs the first and holds the others, which it starts one by
+        one when it runs them (``scheduler_lib.scheduler.prefetch``)
+    :param hold: seconds a held task waits for a free reader before it goes back
+    :param crash: the server stops without a checkpoint (``immediate``: what it had not
+        flushed to its WAL is lost), rather than a clean restart
     """
 
     query: str
@@ -100,6 +107,9 @@ class Point:
     lease: float = LEASE
     take_only: bool = False
     spark: bool = False
+    prefetch: bool = False
+    hold: float = WAIT
+    crash: bool = False
 
 
 POINTS = [
@@ -140,6 +150,41 @@ POINTS = [
     pytest.param(Point("take_fast", "work", spark=True), id="take-spark"),
     pytest.param(Point("log_start", "work", spark=True), id="start"),
     pytest.param(Point("log_start", "work", reply_lost=True, spark=True), id="start-reply-lost"),
+    # -- tasks the executor took ahead (prefetch): a take of three runs the first and
+    # holds the others, each started (log_start, durably) when it runs -----------------
+    # the held task's start meets the restart, between its take and its run
+    pytest.param(Point("log_start", "work", tasks=3, prefetch=True), id="held-start"),
+    # ... went through, and its reply was lost: found started, not counted twice
+    pytest.param(
+        Point("log_start", "work", tasks=3, prefetch=True, reply_lost=True),
+        id="held-start-reply-lost",
+    ),
+    # ... the server crashed instead: the take committed without the WAL flush, and the
+    # durable start of the take's first task flushed it (the held leases survive)
+    pytest.param(
+        Point("log_start", "work", tasks=3, prefetch=True, crash=True), id="held-start-crash"
+    ),
+    # held leases renewed through an outage longer than the lease, another process
+    # looking for expired leases first thing after it: they are not taken from the holder
+    pytest.param(
+        Point(
+            "lease_renew",
+            "work",
+            tasks=3,
+            prefetch=True,
+            outage=2.0,
+            expire_first=True,
+            seconds=3.0,
+            lease=1.5,
+        ),
+        id="held-lease-renewal",
+    ),
+    # held tasks going back to their queue (no reader free for them while the first
+    # runs): the release meets the restart; they go back (or stay held) and run once
+    pytest.param(
+        Point("lease_delete", "work", tasks=3, prefetch=True, hold=0.3, seconds=1.5),
+        id="held-give-back",
+    ),
     # a renewal of the running task's lease, the server away longer than the lease, and
     # another process's timer thread looking for expired leases first thing after it
     pytest.param(
@@ -224,7 +269,7 @@ class RestartTrap:
         if self.point.outage:
             self.server.stop_for(self.point.outage)
         else:
-            self.server.restart()
+            self.server.restart("immediate" if self.point.crash else "fast")
         if self.point.expire_first:
             self.expirer.fire_timers()
 
@@ -467,8 +512,27 @@ def test_a_restart_at_this_point_loses_and_duplicates_nothing(
     scheduler = TaskScheduler(caller)
     spark = ("app-never-started", None) if point.spark else None
     executor = Executor(
-        worker, QUEUE, lease=point.lease, idle_timeout=WAIT, spark_application=spark
+        worker,
+        QUEUE,
+        lease=point.lease,
+        idle_timeout=WAIT,
+        spark_application=spark,
+        prefetch=4 if point.prefetch else 1,
     )
+    held: list[int] = []
+    if point.prefetch:
+        # The warm task makes the queue's tasks count as short, however slow the machine
+        # (prefetch then takes several from one scheduler at once)
+        monkeypatch.setattr(prefetching, "SHORT", WAIT)
+        monkeypatch.setattr(prefetching, "ONE_SCHEDULER", 1)
+        monkeypatch.setattr(prefetching, "HOLD", point.hold)
+        hold = prefetching.Prefetched.hold
+
+        def holding(self: prefetching.Prefetched, leases: Sequence[Any]) -> None:
+            held.append(len(leases))
+            hold(self, leases)
+
+        monkeypatch.setattr(prefetching.Prefetched, "hold", holding)
     handle = scheduler.get_scheduler()
     trap = RestartTrap(private_postgres, point, monkeypatch, expirer=caller)
     expected: dict[int, str] = {}
@@ -489,6 +553,8 @@ def test_a_restart_at_this_point_loses_and_duplicates_nothing(
     assert trap.sprung.is_set(), f"the point {point} was never reached"
     assert trap.settled.wait(WAIT), f"{trap.where} never returned"
     assert _is_lost_connection(trap.met), f"{trap.where} met {trap.met!r}, not a lost connection"
+    if point.prefetch:
+        assert held and held[0] == point.tasks - 1, f"the take held {held}, not the rest"
     # Then synchronization returned one SUCCEEDED completion per task, and no more
     assert sorted(c.log_id for c in completions if c.log_id is not None) == sorted(expected)
     assert [c.status for c in completions] == ["SUCCEEDED"] * len(expected), completions
