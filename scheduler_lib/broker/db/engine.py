@@ -111,7 +111,20 @@ def create_engine(url: str | URL, *, read_only: bool = False, **kwargs: Any) -> 
     # one the server closed while it sat in the pool is caught at checkout, for free.
     engine = sa.create_engine(parsed, connect_args=connect_args, **kwargs)
     sa.event.listen(engine, "checkout", _closed_while_idle)
+    sa.event.listen(engine, "connect", _arrays_in_binary)
     return engine
+
+
+def _arrays_in_binary(dbapi_connection: Any, _record: Any) -> None:
+    """Send list parameters (a wave's task bodies, its log ids) as binary arrays: the
+    text form escapes every element with a regular expression in Python, every quote of
+    a JSON body a call of its own (4.3 ms of client CPU for a wave of 50 no-op tasks; the
+    binary form 0.04 ms). Every array parameter of the broker's SQL has its type cast.
+    (psycopg is imported here, with a connection: it needs libpq, SQLite users may not
+    have it.)"""
+    from psycopg.types.array import ListBinaryDumper
+
+    dbapi_connection.adapters.register_dumper(list, ListBinaryDumper)
 
 
 def _closed_while_idle(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
