@@ -27,6 +27,7 @@ from scheduler_lib.broker import (
     ConnectionLost,
     ConversationNotFound,
     ConversationStateError,
+    DatabaseError,
     DatabaseUnavailable,
     EndpointState,
 )
@@ -545,11 +546,23 @@ class TaskScheduler:
         a sequence's do)."""
         with self._log_ids_lock:
             if len(self._log_ids) < n:
-                more = max(n - len(self._log_ids), LOG_ID_BLOCK)
-                self._log_ids.extend(
-                    int(r["nextval"]) for r in self.broker.fetch("log_ids_next", n=more)
-                )
+                self._log_ids.extend(self._log_id_block(n - len(self._log_ids)))
             return [self._log_ids.popleft() for _ in range(n)]
+
+    def _reserve_log_ids(self, n: int) -> None:
+        """Take log ids now for ``n`` tasks to be sent later (the next wave's, while this
+        one runs): the statement that takes them is then off the path from a wave's last
+        completion to the next wave's first start. Best effort: a failure here is met
+        again, and said, when those tasks are sent."""
+        if n > 0 and self.broker.features.one_statement_send:
+            with contextlib.suppress(DatabaseError), self._log_ids_lock:
+                if len(self._log_ids) < n:
+                    self._log_ids.extend(self._log_id_block(n - len(self._log_ids)))
+
+    def _log_id_block(self, n: int) -> list[int]:
+        """At least ``n`` new log ids from the sequence (LOG_ID_BLOCK at least)."""
+        more = max(n, LOG_ID_BLOCK)
+        return [int(r["nextval"]) for r in self.broker.fetch("log_ids_next", n=more)]
 
     # --- a scheduler shared between processes (Airflow tasks) ----------------------------
 
@@ -741,7 +754,10 @@ class TaskScheduler:
                     reports.append(WaveReport(number, [], list(tasks)))
                     continue
                 began = time.time()
-                report = self._run_wave(handle, number, tasks, policy, timeout, on_completion)
+                following = len(checked[number]) if number < len(checked) else 0
+                report = self._run_wave(
+                    handle, number, tasks, policy, timeout, on_completion, following
+                )
                 with contextlib.suppress(Exception):  # a metric never costs a wave its end
                     metrics.wave_finished(handle.target_service, time.time() - began)
                 reports.append(report)
@@ -772,7 +788,11 @@ class TaskScheduler:
         policy: str,
         timeout: float | None,
         on_completion: Callable[[int, Completion], None] | None,
+        following: int = 0,
     ) -> WaveReport:
+        """One wave: its tasks sent (``max_in_flight`` at a time), their completions
+        gathered. ``following``: the size of the wave after it, whose log ids are taken
+        while this one runs."""
         pending = collections.deque(tasks)
         completions: list[Completion] = []
         outstanding = 0
@@ -785,6 +805,9 @@ class TaskScheduler:
                 batch = [pending.popleft() for _ in range(min(room, len(pending)))]
                 self._send(handle, batch, number)
                 outstanding += len(batch)
+                if following:
+                    self._reserve_log_ids(len(pending) + following)
+                    following = 0
             if not outstanding:
                 break
             # The wave's own scheduler, whose answers only this loop consumes: one RECEIVE

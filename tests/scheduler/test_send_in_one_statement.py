@@ -102,3 +102,52 @@ def test_the_riding_statement_alone_writes_nothing_when_the_send_cannot_go(
         )
     assert rows == []
     assert sched.fetch("log_get", log_id=log_id) == []
+
+
+def test_the_next_waves_log_ids_are_taken_while_a_wave_runs(
+    sched: Broker, executors: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a wave's last completion to the next wave's send, no statement takes log ids:
+    they were taken while the wave ran (off the path between two waves)."""
+    scheduler = TaskScheduler(sched)
+    waves = [
+        [Task.python("builtins:len", [i], name=f"w{w}t{i}") for i in range(70)] for w in (1, 2, 3)
+    ]
+    ran = _statements(monkeypatch)
+    with executors(2):
+        report = scheduler.run_waves(
+            waves, on_completion=lambda wave, _: ran.append(f"completed {wave}")
+        )
+    assert report.ok
+    sends = [i for i, name in enumerate(ran) if "send_many_fast" in name]
+    assert len(sends) == 3, [n for n in ran if "send" in n]
+    for wave in (2, 3):
+        last = max(i for i, name in enumerate(ran) if name == f"completed {wave - 1}")
+        send = next(i for i in sends if i > last)
+        between = ran[last : send + 1]
+        assert not [name for name in between if name.startswith("log_ids_next")], between
+    # and every task still got its own id
+    assert len({c.log_id for c in report.completions}) == 210
+
+
+def test_a_waves_lists_go_as_binary_arrays_and_arrive_as_they_were(sched: Broker) -> None:
+    """A wave's bodies, names and ids go as binary arrays (the text form escaped every
+    quote of every JSON body in Python); what array syntax would have to escape arrives
+    unchanged, in the row and in the message."""
+    from psycopg.adapt import PyFormat
+    from psycopg.types.array import ListBinaryDumper
+
+    with sched.transaction() as tx:
+        driver = tx.session.connection().connection.driver_connection
+        assert driver.adapters.get_dumper(list, PyFormat.AUTO) is ListBinaryDumper  # type: ignore[union-attr]
+    scheduler = TaskScheduler(sched)
+    handle = scheduler.get_scheduler()
+    awkward = ['a "quoted" {brace}, comma', 'back\\slash \\"', "NULL", "", "ünï €"]
+    tasks = [Task.python("builtins:len", [text], name=text or "empty") for text in awkward]
+    log_ids = scheduler._send(handle, tasks, 1)
+    for log_id, task in zip(log_ids, tasks, strict=True):
+        (row,) = sched.fetch("log_get", log_id=log_id)
+        assert (row["task_name"], json.loads(row["task_body"])) == (task.label, task.to_dict())
+    sent = [json.loads(m.body or b"{}") for m in sched.peek(QUEUE)]
+    by_id = {body["log_id"]: body["task"] for body in sent}
+    assert [by_id[i] for i in log_ids] == [t.to_dict() for t in tasks]
