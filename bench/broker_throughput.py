@@ -1141,6 +1141,14 @@ def append_docs(section: str) -> None:
         fh.write(section)
 
 
+def publish(section: str, write_docs: bool) -> None:
+    """Print a diagnostic's markdown section, and append it to the docs when asked."""
+    print(section)
+    if write_docs:
+        append_docs(section)
+        log("appended to docs/benchmarks.md")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.broker_throughput", description=__doc__.split("\n\n")[0]

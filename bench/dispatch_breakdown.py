@@ -38,7 +38,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from bench.broker_throughput import append_docs, log
+from bench.broker_throughput import log, publish
 from bench.peers.systems import WorkerProcess, drop_templates, fresh_db, jitter
 from bench.peers.worker import TASK_QUEUE
 from bench.peers.workloads import WARM_DISPATCH, no_op, ours_dispatch_calls
@@ -226,11 +226,7 @@ def main() -> None:
         path = whole_path(args.samples)
     finally:
         drop_templates()  # the template database fresh_db cloned from
-    section = markdown(alone, path, args.samples)
-    print(section)
-    if args.write_docs:
-        append_docs(section)
-        log("appended to docs/benchmarks.md")
+    publish(markdown(alone, path, args.samples), args.write_docs)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
-from bench.broker_throughput import append_docs, log
+from bench.broker_throughput import publish
 from bench.peers import systems, workloads
 
 WAVES, SIZE = 5, 50  # as bench.peers' workload 2
@@ -135,11 +135,7 @@ def main() -> None:
         per_run, per_wave = measure(args.runs)
     finally:
         systems.drop_templates()  # the template database fresh_db cloned from
-    section = markdown(per_run, per_wave, args.runs)
-    print(section)
-    if args.write_docs:
-        append_docs(section)
-        log("appended to docs/benchmarks.md")
+    publish(markdown(per_run, per_wave, args.runs), args.write_docs)
 
 
 if __name__ == "__main__":
