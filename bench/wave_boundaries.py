@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
@@ -40,8 +41,6 @@ WAVES, SIZE = 5, 50  # as bench.peers' workload 2
 def measure(runs: int) -> tuple[dict[str, list[float]], list[dict[str, list[float]]]]:
     """Milliseconds per run (head, tail) and per wave (send, lag, gap, span), each a list
     over the runs."""
-    import time
-
     from scheduler_lib.scheduler import TaskScheduler
 
     calls: list[tuple[float, float]] = []

@@ -27,7 +27,6 @@ from scheduler_lib.broker import (
     ConnectionLost,
     ConversationNotFound,
     ConversationStateError,
-    DatabaseError,
     DatabaseUnavailable,
     EndpointState,
 )
@@ -545,24 +544,26 @@ class TaskScheduler:
         time: one statement per block, not one per send (ids left unused leave gaps, as
         a sequence's do)."""
         with self._log_ids_lock:
-            if len(self._log_ids) < n:
-                self._log_ids.extend(self._log_id_block(n - len(self._log_ids)))
+            self._fill_log_ids(n)
             return [self._log_ids.popleft() for _ in range(n)]
 
     def _reserve_log_ids(self, n: int) -> None:
         """Take log ids now for ``n`` tasks to be sent later (the next wave's, while this
         one runs): the statement that takes them is then off the path from a wave's last
-        completion to the next wave's first start. Best effort: a failure here is met
-        again, and said, when those tasks are sent."""
+        completion to the next wave's first start. Like every statement of the run, it
+        rides through a lost connection up to the reconnect deadline, and no longer."""
         if n > 0 and self.broker.features.one_statement_send:
-            with contextlib.suppress(DatabaseError), self._log_ids_lock:
-                if len(self._log_ids) < n:
-                    self._log_ids.extend(self._log_id_block(n - len(self._log_ids)))
+            with self._log_ids_lock:
+                self._fill_log_ids(n)
 
-    def _log_id_block(self, n: int) -> list[int]:
-        """At least ``n`` new log ids from the sequence (LOG_ID_BLOCK at least)."""
-        more = max(n, LOG_ID_BLOCK)
-        return [int(r["nextval"]) for r in self.broker.fetch("log_ids_next", n=more)]
+    def _fill_log_ids(self, n: int) -> None:
+        """At least ``n`` unused log ids held, LOG_ID_BLOCK at a time (the caller holds
+        the lock)."""
+        if len(self._log_ids) < n:
+            more = max(n - len(self._log_ids), LOG_ID_BLOCK)
+            self._log_ids.extend(
+                int(r["nextval"]) for r in self.broker.fetch("log_ids_next", n=more)
+            )
 
     # --- a scheduler shared between processes (Airflow tasks) ----------------------------
 
