@@ -361,6 +361,12 @@ class Broker(
             now = time.time()
             try:
                 with self._taking() as tx:
+                    tx.session.connection()
+                    # The take's instant (its leases', and the start it records) read
+                    # once connected, just before the statement: a look begun before a
+                    # message was sent, that takes it, records a start no earlier than
+                    # the send but for the instant the statement takes to go out.
+                    now = time.time()
                     return leasing_ops.take_fast(
                         tx.session, queue, top, duration, holder, now, record
                     )

@@ -133,10 +133,14 @@ class ConversationOperations:
         with self._single_statement() as tx:
             session = tx.session
             data = checks.body_bytes(body, session.shared.max_message_size)
-            if session.autocommit:
+            first = session.autocommit and handle in session.shared.unsent
+            if session.autocommit and not first:
                 session.connection()  # a refused connection did nothing: tried again
+                sending.known_validation(session, message_type)  # a read: tried again too
             try:
-                seq, _ = sending.fast(session, handle, message_type, data)
+                # a conversation's first message makes the target endpoint: not in
+                # autocommit (the transaction below, still in one round trip)
+                seq = None if first else sending.fast(session, handle, message_type, data)[0]
             except exceptions.ConnectionLost as exc:
                 if not session.autocommit:
                     raise  # it sent nothing that committed: run again
@@ -146,6 +150,8 @@ class ConversationOperations:
             if seq is not None:
                 return seq
         with self._operation() as tx:
+            if first:
+                return sending.send(tx.session, handle, message_type, data)
             return sending.checked(tx.session, handle, message_type, data)
 
     def _send_riding(
@@ -162,10 +168,11 @@ class ConversationOperations:
         statement that cannot ride, the checked path, a lost lease)."""
         with self._single_statement() as tx:
             session = tx.session
-            if not session.autocommit:
-                return None
+            if not session.autocommit or handle in session.shared.unsent:
+                return None  # (a first message makes the target endpoint: a transaction)
             data = checks.body_bytes(body, session.shared.max_message_size)
             session.connection()  # a refused connection did nothing: tried again
+            sending.known_validation(session, message_type)  # a read: tried again too
             try:
                 lease_id = None if completing is None else completing.lease_id
                 seq, _ = sending.fast(session, handle, message_type, data, lease_id, before)

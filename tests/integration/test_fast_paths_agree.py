@@ -88,6 +88,7 @@ FAST_PATHS = (
     "receive_fast",
     "receive_fast_conversation",
     "take_fast",
+    "target_create_fast",  # a conversation's first SEND: its target endpoint, ahead of it
 )
 INITIATOR, TARGET, URGENT, REMOTE = "InitiatorService", "TargetService", "Urgent", "Elsewhere"
 IQ, TQ = "InitiatorQueue", "TargetQueue"
@@ -478,6 +479,16 @@ def watch_fast_statements(
         return names, rows, count
 
     monkeypatch.setattr(store, "_on_driver", watched)
+    pipeline = store.pipeline
+
+    def watched_pipeline(conn: Any, statements: Any) -> Any:
+        results = pipeline(conn, statements)
+        for (query, _), rows in zip(statements, results, strict=True):
+            if query in FAST_PATHS:
+                ran.append((query, bool(rows)))
+        return results
+
+    monkeypatch.setattr(store, "pipeline", watched_pipeline)
 
 
 def assert_paths_agree(databases: Pair, case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -729,7 +740,23 @@ def two_receives_in_one_transaction(w: World) -> object:
 
 SEND_CASES = [
     # The sender's state and side, with a type its side may send
-    Case("initiator-SO-first-message", started, send("c.i", "Job"), fast=False),
+    # The first message makes the target endpoint (target_create_fast, ahead of the SEND)
+    Case("initiator-SO-first-message", started, send("c.i", "Job"), fast=True),
+    Case("first-message-target-type", started, send("c.i", "Done"), fast=False),
+    Case("first-message-bad-body", started, send("c.i", "Json", b"{"), fast=False),
+    Case(
+        "first-message-queue-off",
+        steps(set_queue(TQ, status=False), started),
+        send("c.i", "Job"),
+        fast=False,
+    ),
+    Case(
+        "first-message-retention",
+        steps(set_queue(IQ, retention=True), started),
+        send("c.i", "Job"),
+        fast=False,
+    ),
+    Case("first-message-urgent", lambda w: w.dialog("c", to=URGENT), send("c.i", "Job"), fast=True),
     Case("initiator-SO-target-exists", job_sent, send("c.i", "Job"), fast=True),
     Case("initiator-CO", conversing, send("c.i", "Job"), fast=True),
     Case("initiator-DI-target-ended", target_ended, send("c.i", "Job"), fast=False),
@@ -882,8 +909,16 @@ SEND_CASES = [
 ]
 
 SEND_MANY_CASES = [
-    # The first message goes the checked way (it makes the target), the rest in one
+    # The first messages of a conversation: its target endpoint made ahead of them, in
+    # their round trip
     Case("first-messages", started, send_many("c.i", "Job"), fast=True),
+    Case(
+        "first-messages-queue-off",
+        steps(set_queue(TQ, status=False), started),
+        send_many("c.i", "Job"),
+        fast=False,
+    ),
+    Case("first-messages-target-type", started, send_many("c.i", "Done"), fast=False),
     Case("target-exists", job_sent, send_many("c.i", "Job"), fast=True),
     Case("target-SI", job_sent, send_many("c.t", "Done"), fast=True),
     Case(

@@ -151,3 +151,42 @@ def test_a_waves_lists_go_as_binary_arrays_and_arrive_as_they_were(sched: Broker
     sent = [json.loads(m.body or b"{}") for m in sched.peek(QUEUE)]
     by_id = {body["log_id"]: body["task"] for body in sent}
     assert [by_id[i] for i in log_ids] == [t.to_dict() for t in tasks]
+
+
+def test_a_new_schedulers_first_wave_and_first_task_go_in_one_round_trip(
+    sched: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new scheduler's first SEND makes its conversation's target endpoint: ahead of
+    the SEND in its round trip (``target_create_fast``), not on the checked path's ten
+    statements; in a process that never sent the type before too (its validation read
+    in one statement). Then the tasks are there, once each, on the target's queue."""
+    fresh = Broker(sched.url, migrate=False, timers=False)  # nothing cached: a new process
+    try:
+        scheduler = TaskScheduler(fresh)
+        wave_handle, task_handle = scheduler.get_scheduler(), scheduler.get_scheduler()
+        scheduler._reserve_log_ids(4)  # the ids, taken ahead as run_waves does
+        ran = _statements(monkeypatch)
+        wave = [Task.python("builtins:len", [i], name=f"w{i}") for i in range(3)]
+        log_ids = scheduler.exec_many(wave_handle, wave, wave=1)
+        log_ids.append(scheduler.exec_async(task_handle, Task.python("builtins:len", [9])))
+        assert ran == [
+            "message_type_list",
+            "pipeline:log_insert_many+target_create_fast+send_many_fast",
+            "pipeline:target_create_fast+send_fast+log_insert_one",
+        ], ran
+    finally:
+        fresh.close()
+    monkeypatch.undo()
+    sent = [json.loads(m.body or b"{}")["log_id"] for m in sched.peek(QUEUE)]
+    assert sorted(sent) == sorted(log_ids)
+    targets = {
+        str(e.conversation_id): e for e in sched.conversation_endpoints() if not e.is_initiator
+    }
+    for handle in (wave_handle, task_handle):
+        near = sched.conversation_endpoint(handle.conversation_handle)
+        target = targets[str(near.conversation_id)]
+        assert (target.service_name, target.queue_name, target.state.value) == (
+            handle.target_service,
+            QUEUE,
+            "SI",
+        )

@@ -21,7 +21,8 @@ class Dialect:
 
     name: str
     #: SEND (one message or several) checked and enqueued in one statement; no row back
-    #: means "take the checked path"
+    #: means "take the checked path" (a conversation's first SEND: its target endpoint
+    #: made by a statement ahead of it, in its round trip)
     one_statement_send: bool
     #: RECEIVE in one statement (lock the first free group, take its messages in order)
     one_statement_receive: bool
@@ -41,7 +42,7 @@ class Dialect:
 
     #: the named statements each capability rests on (the broker's own queries)
     STATEMENTS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "one_statement_send": ("send_fast", "send_many_fast"),
+        "one_statement_send": ("send_fast", "send_many_fast", "target_create_fast"),
         "one_statement_receive": ("receive_fast", "receive_fast_conversation"),
         "one_statement_take": ("take_fast", "leases_taken"),
         "notifies": ("transmission_notify",),

@@ -49,6 +49,10 @@ class Shared:
     count_rollbacks: Callable[[frozenset[str]], None]
     #: SEND's cache of message types' validations (message type -> validation)
     validation_cache: dict[str, models.Validation] = dataclasses.field(default_factory=dict)
+    #: conversations begun here to a service of this broker that have sent nothing yet
+    #: (where SEND is one statement): their first SEND makes the target endpoint in its
+    #: own round trip (``sending.UNSENT_LIMIT`` at most are kept)
+    unsent: set[str] = dataclasses.field(default_factory=set)
     max_message_size: int = 0  # bytes; the largest body SEND accepts
 
     @property

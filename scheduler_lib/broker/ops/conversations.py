@@ -91,6 +91,8 @@ def begin_dialog(
         is_remote=is_remote,
     )
     session.mark_written()
+    if not is_remote:
+        sending.note_unsent(session, str(handle))
     return handle
 
 

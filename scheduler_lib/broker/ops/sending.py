@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,58 @@ from scheduler_lib.broker.db import store
 from scheduler_lib.broker.ops import endpoints
 
 Before = tuple[str, Mapping[str, Any]]  # a named statement and its binds
+# Conversations a process remembers as begun and not sent on (``Shared.unsent``): past
+# this many (a program that begins dialogs and never sends) it forgets them, and their
+# first SEND takes the checked path, as one begun by another process does.
+UNSENT_LIMIT = 10_000
+
+
+def note_unsent(session: sessions.Session, handle: str) -> None:
+    """A conversation begun in this session whose target is on this broker: its first
+    SEND may make the target endpoint in the SEND's round trip (:func:`fast`)."""
+    if session.store.features.one_statement_send:
+        unsent = session.shared.unsent
+        if len(unsent) >= UNSENT_LIMIT:
+            unsent.clear()
+        unsent.add(handle)
+
+
+def known_validation(session: sessions.Session, message_type: str) -> models.Validation | None:
+    """The type's validation as this process knows it, for a one-statement SEND (which
+    checks it again); ``None``: take the checked path. A process's first SEND of a type
+    reads every type's validation (one statement) rather than going the checked way."""
+    if not session.store.features.one_statement_send:
+        return None
+    cache = session.shared.validation_cache
+    if message_type not in cache:
+        cache.update(
+            (r["message_type_name"], models.Validation(r["validation"]))
+            for r in session.all("message_type_list")
+        )
+    return cache.get(message_type)
+
+
+def _making_target(
+    session: sessions.Session, send: Mapping[str, Any]
+) -> list[tuple[str, Mapping[str, Any]]]:
+    """``target_create_fast`` to run ahead of the SEND ``send`` (its binds) in its round
+    trip, when this is the first SEND of a conversation begun here: the target endpoint
+    comes into being with the first message, as the checked path makes it, and the SEND
+    is one statement already. Not in autocommit, where the endpoint would commit without
+    the message; nothing when the conversation sent before."""
+    if session.autocommit or send["handle"] not in session.shared.unsent:
+        return []
+    # Tried once: should this transaction roll back, the next SEND goes the checked way.
+    session.shared.unsent.discard(send["handle"])
+    binds = {
+        "handle": send["handle"],
+        "message_type": send["message_type"],
+        "validation": send["validation"],
+        "group_id": str(uuid.uuid4()),
+        "target_handle": str(uuid.uuid4()),
+        "now": send["now"],
+    }
+    return [("target_create_fast", binds)]
 
 
 def send(session: sessions.Session, handle: str, message_type: str, data: bytes | None) -> int:
@@ -41,8 +94,8 @@ def fast(
 
     :raises LeaseLost: when the lease was gone (the transaction must roll back)
     """
-    cached = session.shared.validation_cache.get(message_type)
-    if cached is None or not session.store.features.one_statement_send:
+    cached = known_validation(session, message_type)
+    if cached is None:
         return None, False
     if not passes(message_type, cached, [data]):
         return None, False
@@ -54,17 +107,23 @@ def fast(
         "now": time.time(),
         "lease_id": lease_id,
     }
+    making = _making_target(session, send)
     riding = None if before is None else session.store.riding("send_fast", before[0])
     if riding is not None:
         assert before is not None
         # One statement: ``before`` writes only with the message (none back: neither ran)
-        rows = session.rows(riding, **send, **store.before_binds(before[1]))
+        binds = {**send, **store.before_binds(before[1])}
+        rows = session.pipeline([*making, (riding, binds)])[-1] if making else None
+        if rows is None:
+            rows = session.rows(riding, **binds)
         if not rows:
             return None, False
     elif before is not None:
         if session.autocommit:
             return None, False  # a pipeline would commit ``before`` without the message
-        _, rows = session.pipeline([before, ("send_fast", send)])
+        rows = session.pipeline([before, *making, ("send_fast", send)])[-1]
+    elif making:
+        rows = session.pipeline([*making, ("send_fast", send)])[-1]
     else:
         rows = session.rows("send_fast", **send)
     if not rows:
@@ -95,8 +154,8 @@ def many_fast(
     validation is known: the first sequence number, or ``None`` ("send them one by one
     on the checked path") — and whether ``before`` ran, in the same round trip, ahead of
     the SEND."""
-    cached = session.shared.validation_cache.get(message_type)
-    if cached is None or not session.store.features.one_statement_send:
+    cached = known_validation(session, message_type)
+    if cached is None:
         return None, False
     if not passes(message_type, cached, data):
         return None, False
@@ -108,8 +167,10 @@ def many_fast(
         "n": len(data),
         "now": time.time(),
     }
-    if before is not None:
-        _, rows = session.pipeline([before, ("send_many_fast", send)])
+    making = _making_target(session, send)
+    if before is not None or making:
+        ahead = [] if before is None else [before]
+        rows = session.pipeline([*ahead, *making, ("send_many_fast", send)])[-1]
     else:
         rows = session.rows("send_many_fast", **send)
     if not rows:
@@ -126,6 +187,7 @@ def checked(session: sessions.Session, handle: str, message_type: str, data: byt
     """SEND with every check spelled out: the path that names what is wrong, creates
     the target endpoint with the first message, and holds messages for a disabled
     queue. PostgreSQL's one-statement fast path falls back to it."""
+    session.shared.unsent.discard(handle)  # its target endpoint is made here, if at all
     near = endpoints.endpoint(session, handle)
     mt = session.one("message_type_get", name=message_type)
     if mt is None:

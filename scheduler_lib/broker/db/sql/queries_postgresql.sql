@@ -392,6 +392,57 @@ SELECT lease_id, queue_name, conversation_group_id, conversation_handle,
 FROM message_leases WHERE worker = :worker AND taken_at = :now
 ORDER BY priority DESC, conversation_handle, message_sequence_number;
 
+-- name: target_create_fast
+-- The target endpoint of a conversation whose initiator here has sent nothing yet, made
+-- as the checked path makes it with the first message (a new group of the target
+-- service's queue, state SI, the level of the most specific matching priority), when the
+-- first SEND would pass the checks send_fast makes of the initiator: it runs ahead of
+-- that SEND in one round trip, in the SEND's transaction, so that a new conversation's
+-- first message goes in one statement too. Writes nothing when the target endpoint
+-- exists, the target is on another broker, the initiator sent before or cannot send this
+-- type, or the service is unknown: the SEND after it then finds no target and the
+-- checked path says why.
+WITH near AS (
+    SELECT n.conversation_id, n.service_name, n.far_service_name, n.contract_name,
+        n.lifetime_expires_at, sv.queue_name
+    FROM conversation_endpoints n
+    JOIN services sv ON sv.service_name = n.far_service_name
+    WHERE n.conversation_handle = :handle AND n.is_initiator AND NOT n.is_remote
+    AND n.state = 'SO' AND n.send_sequence = 0
+    AND NOT EXISTS (
+        SELECT 1 FROM conversation_endpoints f
+        WHERE f.conversation_id = n.conversation_id AND NOT f.is_initiator
+    )
+    AND EXISTS (
+        SELECT 1 FROM contract_message_types c
+        JOIN message_types mt ON mt.message_type_name = c.message_type_name
+        WHERE c.contract_name = n.contract_name AND c.message_type_name = :message_type
+        AND mt.validation = :validation AND c.sent_by IN ('ANY', 'INITIATOR')
+    )
+), grp AS (
+    INSERT INTO conversation_groups (conversation_group_id, queue_name, created_at)
+    SELECT :group_id, near.queue_name, :now FROM near
+    RETURNING conversation_group_id
+)
+INSERT INTO conversation_endpoints (
+    conversation_handle, conversation_id, is_initiator, service_name, far_service_name,
+    contract_name, queue_name, conversation_group_id, state, priority, send_sequence,
+    receive_sequence, lifetime_expires_at, timer_due_at, created_at, is_remote
+)
+SELECT :target_handle, near.conversation_id, false, near.far_service_name,
+    near.service_name, near.contract_name, near.queue_name, grp.conversation_group_id,
+    'SI', coalesce((
+        -- as endpoint_insert: SQL Server's precedence (contract, local, remote), else 5
+        SELECT p.priority_level FROM conversation_priorities p
+        WHERE (p.contract_name IS NULL OR p.contract_name = near.contract_name)
+        AND (p.local_service_name IS NULL OR p.local_service_name = near.far_service_name)
+        AND (p.remote_service_name IS NULL OR p.remote_service_name = near.service_name)
+        ORDER BY (p.contract_name IS NOT NULL) DESC, (p.local_service_name IS NOT NULL) DESC,
+            (p.remote_service_name IS NOT NULL) DESC
+        LIMIT 1
+    ), 5), 0, 0, near.lifetime_expires_at, NULL, :now, false
+FROM near, grp;
+
 -- name: send_many_fast
 -- SEND of several messages of one type on one conversation in one round trip (as
 -- send_fast, for :n bodies): consecutive sequence numbers, fair-share stamps one quantum
