@@ -71,6 +71,15 @@ def _making_target(
     return [("target_create_fast", binds)]
 
 
+def _last_rows(session: sessions.Session, statements: list[Before]) -> list[tuple[Any, ...]]:
+    """The last statement's rows: one statement alone, several in one round trip (a
+    pipeline, in the session's transaction)."""
+    if len(statements) == 1:
+        [(query, binds)] = statements
+        return session.rows(query, **binds)
+    return session.pipeline(statements)[-1]
+
+
 def send(session: sessions.Session, handle: str, message_type: str, data: bytes | None) -> int:
     """SEND inside the session's transaction: in one statement where it can, else the
     checked way. Its sequence number."""
@@ -113,19 +122,14 @@ def fast(
         assert before is not None
         # One statement: ``before`` writes only with the message (none back: neither ran)
         binds = {**send, **store.before_binds(before[1])}
-        rows = session.pipeline([*making, (riding, binds)])[-1] if making else None
-        if rows is None:
-            rows = session.rows(riding, **binds)
+        rows = _last_rows(session, [*making, (riding, binds)])
         if not rows:
             return None, False
-    elif before is not None:
-        if session.autocommit:
-            return None, False  # a pipeline would commit ``before`` without the message
-        rows = session.pipeline([before, *making, ("send_fast", send)])[-1]
-    elif making:
-        rows = session.pipeline([*making, ("send_fast", send)])[-1]
+    elif before is not None and session.autocommit:
+        return None, False  # a pipeline would commit ``before`` without the message
     else:
-        rows = session.rows("send_fast", **send)
+        ahead = [] if before is None else [before]
+        rows = _last_rows(session, [*ahead, *making, ("send_fast", send)])
     if not rows:
         return None, before is not None
     seq, queue, _notified, completed = rows[0]
@@ -167,12 +171,8 @@ def many_fast(
         "n": len(data),
         "now": time.time(),
     }
-    making = _making_target(session, send)
-    if before is not None or making:
-        ahead = [] if before is None else [before]
-        rows = session.pipeline([*ahead, *making, ("send_many_fast", send)])[-1]
-    else:
-        rows = session.rows("send_many_fast", **send)
+    ahead = [] if before is None else [before]
+    rows = _last_rows(session, [*ahead, *_making_target(session, send), ("send_many_fast", send)])
     if not rows:
         return None, before is not None
     first, queue, _notified = rows[0]
