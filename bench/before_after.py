@@ -1,6 +1,6 @@
 """The broker before and after a change, side by side in one run.
 
-    .venv/bin/python -m bench.before_after --before 2c4200e                 # ~7 min
+    .venv/bin/python -m bench.before_after --before 2c4200e                 # ~9 min
     .venv/bin/python -m bench.before_after --before 2c4200e --write-docs    # and appends
 
 Both trees are checked out (``git worktree``) under one temporary directory — the commit
@@ -15,8 +15,9 @@ subprocesses of this interpreter whose working directory is the tree (its
   wake-up latency (d);
 - ``bench.dispatch_breakdown --samples 150``: the caller's ``exec_async`` after a pause,
   the take with the durable start, the whole path from the call to the handler;
-- ``bench.peers --only waves,dispatch --systems ours --rounds 1 --no-docs``: the peers
-  benchmark's waves (5 x 50) and dispatch workloads, ours only.
+- ``bench.peers --only queue,waves,dispatch --systems ours,raw --rounds 1 --no-docs``:
+  the peers benchmark's queue (batch 1, both shapes, against the raw ceiling of the same
+  run), waves (5 x 50) and dispatch workloads, ours only.
 
 The table gives each figure's median over the rounds, before and after, and their ratio.
 The machine must be quiet: on 2 cores another process moves these figures more than the
@@ -26,6 +27,7 @@ changes they are meant to judge.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -45,7 +47,7 @@ BENCHES = {
     "throughput": ["bench.broker_throughput", "--quick", "--no-docs"],
     "breakdown": ["bench.dispatch_breakdown", "--samples", "150"],
     "peers": [
-        *("bench.peers", "--only", "waves,dispatch", "--systems", "ours"),
+        *("bench.peers", "--only", "queue,waves,dispatch", "--systems", "ours,raw"),
         *("--rounds", "1", "--no-docs"),
     ],
 }
@@ -68,6 +70,14 @@ def _p50(label: str) -> Callable[[str], float]:
         return float(found.group(1))
 
     return read
+
+
+def _queue(text: str, *, who: str, shape: str) -> float:
+    """Workload 1 of the peers benchmark at one shape: ours, the raw ceiling, or their
+    ratio (the figure issue 24's goal is set on)."""
+    systems = _report(text)["workloads"]["queue"]["systems"]
+    ours, raw = (systems[s][shape]["median"] for s in ("ours", "raw"))
+    return {"ours": ours, "raw ceiling": raw, "ours / raw": round(ours / raw, 3)}[who]
 
 
 # (figure, unit, which benchmark's output, how to read it)
@@ -114,6 +124,16 @@ FIGURES: list[tuple[str, str, str, Callable[[str], float]]] = [
         "ms",
         "breakdown",
         _p50("whole path, total: call -> handler start"),
+    ),
+    *(
+        (
+            f"queue {shape}, {who}",
+            unit,
+            "peers",
+            functools.partial(_queue, who=who, shape=key),
+        )
+        for shape, key in (("batch 1", "batch_1"), ("drain batch 1", "drain_batch_1"))
+        for who, unit in (("ours", "msg/s"), ("raw ceiling", "msg/s"), ("ours / raw", ""))
     ),
     (
         "waves 5 x 50 makespan",

@@ -506,6 +506,7 @@ class Broker(
         self.waiting.close()
         if self._lease_keeper is not None:
             self._lease_keeper.stop()
+        self._shared.kept.close()
         self._engine.dispose()
         if self._autocommit_engine is not None:
             self._autocommit_engine.dispose()

@@ -129,13 +129,19 @@ def _arrays_in_binary(dbapi_connection: Any, _record: Any) -> None:
 
 def _closed_while_idle(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
     """Throw away a pooled connection the server closed while it sat idle (a restart,
-    ``pg_terminate_backend``, an idle timeout): an idle connection has nothing to read
-    unless the server said goodbye (its termination notice, then the end of the
-    stream). One poll of the socket, no round trip; the pool connects anew. So a
-    statement that then fails on its connection was sent: a one-statement write in
-    autocommit may have committed, and is not run again blindly."""
+    ``pg_terminate_backend``, an idle timeout); the pool connects anew. So a statement
+    that then fails on its connection was sent: a one-statement write in autocommit may
+    have committed, and is not run again blindly."""
+    if closed_by_server(dbapi_connection):
+        raise sa.exc.DisconnectionError("the server closed this idle connection")
+
+
+def closed_by_server(dbapi_connection: Any) -> bool:
+    """Whether the server closed this idle psycopg connection: an idle connection has
+    nothing to read unless the server said goodbye (its termination notice, then the end
+    of the stream). One poll of the socket, no round trip."""
     if dbapi_connection.closed:
-        raise sa.exc.DisconnectionError("connection closed")
+        return True
     try:
         # poll, not select: a process with many open files has sockets past select's
         # FD_SETSIZE (1024), and select refuses them
@@ -143,6 +149,5 @@ def _closed_while_idle(dbapi_connection: Any, _record: Any, _proxy: Any) -> None
         poller.register(dbapi_connection.pgconn.socket, select.POLLIN)
         ready = poller.poll(0)
     except Exception:  # cannot tell: the statement will
-        return
-    if ready:
-        raise sa.exc.DisconnectionError("the server closed this idle connection")
+        return False
+    return bool(ready)

@@ -54,6 +54,8 @@ class Shared:
     #: own round trip (``sending.UNSENT_LIMIT`` at most are kept)
     unsent: set[str] = dataclasses.field(default_factory=set)
     max_message_size: int = 0  # bytes; the largest body SEND accepts
+    #: each thread's own connection of an autocommit engine, kept between operations
+    kept: connections.Kept = dataclasses.field(default_factory=connections.Kept)
 
     @property
     def url(self) -> sa.URL:
@@ -171,7 +173,12 @@ class Session:
             engine = self._engine
             if engine is None and self.autocommit:
                 engine = self.shared.autocommit_engine
-            self._connection = connections.connect(engine or self.shared.engine)
+            engine = engine or self.shared.engine
+            # a single statement's connection is in no transaction once it ran: its
+            # thread keeps it for the next (a pool's checkout costs more than the SEND)
+            self._connection = (
+                self.shared.kept.take(engine) if self.autocommit else connections.connect(engine)
+            )
         if self._engine is None:
             self._enter_gate()
         return self._connection
@@ -300,8 +307,7 @@ class Session:
             raise
         finally:
             try:
-                with contextlib.suppress(Exception):
-                    conn.close()
+                self._give_back(conn)
             finally:
                 self._connection = None
                 self._leave_gate()
@@ -332,10 +338,16 @@ class Session:
                     raise
                 connections.invalidate(conn, exc)
             finally:
-                with contextlib.suppress(Exception):
-                    conn.close()
+                self._give_back(conn)
                 self._leave_gate()
         self._after_rollback()
+
+    def _give_back(self, conn: sa.Connection) -> None:
+        if self.autocommit:
+            self.shared.kept.give_back(conn)
+        else:
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def _after_rollback(self) -> None:
         # A rolled-back RECEIVE put messages back: their queue monitors look again, and

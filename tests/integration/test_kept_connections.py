@@ -1,0 +1,154 @@
+"""A thread's single-statement operations (autocommit) keep one connection between them
+instead of a pool's checkout and checkin each (``connections.Kept``): the pool is never
+drained by threads keeping theirs, a thread that ends and a broker that closes give theirs
+back, and a kept connection is as safe as a pooled one (a lost one is thrown away before
+it is used: see test_lost_connections.py, which meets a kept one on the main thread)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from scheduler_lib.broker import Broker
+from scheduler_lib.broker.db import connections
+from scheduler_lib.broker.db import engine as engines
+
+pytestmark = pytest.mark.postgres
+
+TIMEOUT = 30  # seconds a thread of these tests may take for one SEND
+
+
+@pytest.fixture
+def catalogued(postgres_url: str) -> Iterator[Broker]:
+    """A broker on PostgreSQL (the one with an autocommit lane) with a contract to send on."""
+    # (a drained pool fails a checkout in seconds, not the default half minute)
+    broker = Broker(postgres_url, timers=False, engine_options={"pool_timeout": 3})
+    try:
+        broker.create_message_type("AsyncSent", "NONE")
+        broker.create_contract("AsyncContract", {"AsyncSent": "INITIATOR"})
+        broker.create_queue("InitiatorQueue")
+        broker.create_queue("TargetQueue")
+        broker.create_service("InitiatorService", "InitiatorQueue")
+        broker.create_service("TargetService", "TargetQueue", ["AsyncContract"])
+        yield broker
+    finally:
+        broker.close()
+
+
+def _pool(broker: Broker) -> sa.pool.QueuePool:
+    engine = broker._autocommit_engine  # the single statements' engine
+    assert engine is not None
+    pool = engine.pool
+    assert isinstance(pool, sa.pool.QueuePool)
+    return pool
+
+
+def _dialog(broker: Broker) -> str:
+    return str(broker.begin_dialog("InitiatorService", "TargetService", "AsyncContract"))
+
+
+def _drained(broker: Broker, n: int) -> list[bytes]:
+    with broker.transaction() as tx:
+        got = tx.receive("TargetQueue", top=n + 1)
+    return sorted(m.body or b"" for m in got)
+
+
+def _run_threads(n: int, target: object, *, together: bool) -> None:
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]  # type: ignore[arg-type]
+    for t in threads:
+        t.start()
+        if not together:
+            t.join(TIMEOUT)
+    for t in threads:
+        t.join(TIMEOUT)
+        assert not t.is_alive()
+
+
+def test_a_thread_keeps_one_connection_for_its_sends(catalogued: Broker) -> None:
+    broker = catalogued
+    handle = _dialog(broker)
+    pool = _pool(broker)
+    for i in range(20):
+        broker.send(handle, "AsyncSent", f"{i:02}".encode())
+    # One connection made and kept: no checkin between the sends
+    assert (pool.checkedout(), pool.checkedin()) == (1, 0)
+    assert _drained(broker, 20) == [f"{i:02}".encode() for i in range(20)]
+    broker.close()
+    assert pool.checkedout() == 0
+
+
+def test_threads_that_end_give_their_connection_back(catalogued: Broker) -> None:
+    broker = catalogued
+    handle = _dialog(broker)
+    pool = _pool(broker)
+    pool_capacity = engines.POOL_SIZE * 2  # its size and its overflow
+
+    def one_send(i: int) -> None:
+        broker.send(handle, "AsyncSent", f"{i:02}".encode())
+
+    # More threads than the pool has connections, one after another: a connection kept
+    # by a thread that ended and not given back would drain the pool (the next checkout
+    # would wait for its timeout)
+    _run_threads(pool_capacity + 10, one_send, together=False)
+    gc.collect()
+    assert pool.checkedout() == 0
+    assert _drained(broker, 30) == [f"{i:02}".encode() for i in range(pool_capacity + 10)]
+
+
+def test_threads_keep_at_most_their_share_of_the_pool(catalogued: Broker) -> None:
+    broker = catalogued
+    handle = _dialog(broker)
+    pool = _pool(broker)
+    threads = 12
+    sent = threading.Barrier(threads + 1, timeout=TIMEOUT)
+    done = threading.Barrier(threads + 1, timeout=TIMEOUT)
+    seen: list[int] = []
+
+    def send_and_wait(i: int) -> None:
+        broker.send(handle, "AsyncSent", f"{i:02}".encode())
+        sent.wait()
+        done.wait()
+
+    runner = threading.Thread(
+        target=_run_threads, args=(threads, send_and_wait), kwargs={"together": True}
+    )
+    runner.start()
+    sent.wait()  # every thread has sent and lives on
+    seen.append(pool.checkedout())
+    done.wait()
+    runner.join(TIMEOUT)
+    gc.collect()
+    # The kept ones hold half the pool at most; the rest went back after each SEND
+    assert seen == [int(engines.POOL_SIZE * connections.KEPT_SHARE)]
+    assert pool.checkedout() == 0
+    assert len(_drained(broker, threads)) == threads
+
+
+def test_a_kept_connection_is_not_used_after_its_generation_was_thrown_away(
+    catalogued: Broker,
+) -> None:
+    broker = catalogued
+    engine = broker._autocommit_engine
+    assert engine is not None
+    kept = connections.Kept()
+    try:
+        first = kept.take(engine)
+        # An operation inside another on the same thread: the pool's, not the kept one
+        inner = kept.take(engine)
+        assert inner is not first
+        kept.give_back(inner)
+        kept.give_back(first)
+        assert kept.take(engine) is first
+        kept.give_back(first)
+        # A lost connection elsewhere threw the pool's connections away: so is this one
+        connections.discard_pool(engine)
+        again = kept.take(engine)
+        assert again is not first and first.closed
+        kept.give_back(again)
+    finally:
+        kept.close()
+    assert _pool(broker).checkedout() == 0
