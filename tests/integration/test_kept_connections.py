@@ -103,6 +103,8 @@ def test_threads_keep_at_most_their_share_of_the_pool(catalogued: Broker) -> Non
     broker = catalogued
     handle = _dialog(broker)
     pool = _pool(broker)
+    for first in (b"first", b"second"):  # (a first SEND is a transaction, then autocommit)
+        broker.send(handle, "AsyncSent", first)
     threads = 12
     sent = threading.Barrier(threads + 1, timeout=TIMEOUT)
     done = threading.Barrier(threads + 1, timeout=TIMEOUT)
@@ -122,10 +124,11 @@ def test_threads_keep_at_most_their_share_of_the_pool(catalogued: Broker) -> Non
     done.wait()
     runner.join(TIMEOUT)
     gc.collect()
-    # The kept ones hold half the pool at most; the rest went back after each SEND
+    # The kept ones (this thread's among them) hold half the pool at most; the rest went
+    # back after each SEND, and the threads' kept ones when they ended
     assert seen == [int(engines.POOL_SIZE * connections.KEPT_SHARE)]
-    assert pool.checkedout() == 0
-    assert len(_drained(broker, threads)) == threads
+    assert pool.checkedout() == 1
+    assert len(_drained(broker, threads + 2)) == threads + 2
 
 
 def test_a_kept_connection_is_not_used_after_its_generation_was_thrown_away(
@@ -136,19 +139,60 @@ def test_a_kept_connection_is_not_used_after_its_generation_was_thrown_away(
     assert engine is not None
     kept = connections.Kept()
     try:
-        first = kept.take(engine)
-        # An operation inside another on the same thread: the pool's, not the kept one
-        inner = kept.take(engine)
-        assert inner is not first
-        kept.give_back(inner)
-        kept.give_back(first)
-        assert kept.take(engine) is first
-        kept.give_back(first)
+        first, keeping = kept.take(engine)
+        assert keeping is not None
+        # A transaction inside another on the same thread: the pool's, not the kept one
+        inner, not_kept = kept.take(engine)
+        assert inner is not first and not_kept is None
+        kept.give_back(inner, not_kept)
+        kept.give_back(first, keeping)
+        assert kept.take(engine) == (first, keeping)
+        kept.give_back(first, keeping)
         # A lost connection elsewhere threw the pool's connections away: so is this one
         connections.discard_pool(engine)
-        again = kept.take(engine)
+        again, keeping = kept.take(engine)
         assert again is not first and first.closed
-        kept.give_back(again)
+        kept.give_back(again, keeping)
     finally:
         kept.close()
     assert _pool(broker).checkedout() == 0
+
+
+def test_a_transaction_dropped_without_an_end_does_not_stay_open(catalogued: Broker) -> None:
+    broker = catalogued
+    handle = _dialog(broker)
+    pool = broker._engine.pool  # transactions' engine
+    with broker.transaction() as tx:  # this thread keeps its connection from here
+        tx.send(handle, "AsyncSent", b"kept")
+    assert pool.checkedout() == 1
+    # Given a transaction that sent, then was dropped: no commit, no rollback
+    dropped = broker.transaction()
+    dropped.send(handle, "AsyncSent", b"never")
+    del dropped
+    gc.collect()
+    # Then its connection was not kept in its transaction (which would hold the
+    # conversation's row lock for as long as the thread lives): the pool's again
+    assert pool.checkedout() == 0
+    with broker.transaction() as tx:  # the endpoint's row is free: no wait
+        tx.send(handle, "AsyncSent", b"after")
+    assert _drained(broker, 3) == [b"after", b"kept"]
+
+
+def test_a_connection_is_kept_only_when_its_transaction_is_over() -> None:
+    """The driver's word decides, not SQLAlchemy's alone (a unit test of the check)."""
+
+    class Info:
+        transaction_status = connections.IDLE
+
+    class Fairy:
+        driver_connection = type("Driver", (), {"info": Info()})()
+
+    class Conn:
+        connection = Fairy()
+
+        def in_transaction(self) -> bool:
+            return False
+
+    assert connections._idle(Conn())  # type: ignore[arg-type]
+    Info.transaction_status = 2  # INTRANS
+    assert not connections._idle(Conn())  # type: ignore[arg-type]

@@ -134,24 +134,32 @@ def connect(engine: sa.Engine) -> sa.Connection:
 
 
 # A thread keeps a connection of an engine only while those kept hold at most this share
-# of its pool: the rest stays for transactions and for threads that run a statement now
-# and then (a process with more threads than that runs them on the pool, as before).
+# of its pool: the rest stays for threads that run a statement now and then (a process
+# with more busy threads than that runs the others on the pool, as before).
 KEPT_SHARE = 0.5
 
 
-class _Keeping:
-    """One thread's kept connection of one engine."""
+class Keeping:
+    """One thread's kept connection of one engine (:meth:`Kept.take` hands it out with the
+    connection, :meth:`Kept.give_back` takes both)."""
 
-    __slots__ = ("__weakref__", "busy", "conn", "engine", "generation", "pid", "release")
+    __slots__ = ("__weakref__", "busy", "conn", "engine", "generation", "mine", "pid", "release")
 
-    def __init__(self, conn: sa.Connection) -> None:
+    def __init__(self, conn: sa.Connection, mine: dict[sa.Engine, Keeping]) -> None:
         self.conn = conn
         self.engine = conn.engine
         self.generation = _generations.get(conn.engine, 0)
         self.pid = os.getpid()
         self.busy = True
+        self.mine = mine  # its thread's kept connections, by engine
         # When its thread ends (its locals go) or the broker closes: back to the pool
         self.release = weakref.finalize(self, _give_back_to_pool, conn, self.pid)
+
+    def discard(self) -> None:
+        """Not kept any more: the connection goes back to its pool (which resets it)."""
+        if self.mine.get(self.engine) is self:
+            self.mine.pop(self.engine, None)
+        self.release()
 
 
 def _give_back_to_pool(conn: sa.Connection, pid: int) -> None:
@@ -161,73 +169,75 @@ def _give_back_to_pool(conn: sa.Connection, pid: int) -> None:
 
 
 class Kept:
-    """Each thread's own connection of an engine, kept between the single-statement
-    operations (autocommit) it runs instead of going back to the pool after each.
+    """Each thread's own connection of an engine, kept between its transactions (and its
+    single statements in autocommit) instead of going back to the pool after each.
 
     A pool's checkout and checkin (SQLAlchemy's events, its reset on return) cost a
-    short SEND a quarter of its client CPU: a producer's SEND on PostgreSQL took 0.68
-    ms wall and 0.23 ms CPU with them, 0.57 and 0.17 ms without (``bench.send_cost``).
-    Only autocommit connections are kept: between two operations they are in no
-    transaction, so a thread that keeps one idle holds no lock and no snapshot.
+    short SEND a quarter of its client CPU: a producer's SEND on PostgreSQL took 0.60 ms
+    wall and 0.21 ms CPU with them, 0.50 and 0.16 ms without (a probe of 5,000 SENDs, 3
+    runs each way), and the queue workload's consumers, a transaction per message, as
+    much again (``bench.before_after``'s queue figures). A connection is kept only when
+    its transaction is over (the driver says it is idle): a thread that keeps one holds
+    no lock and no snapshot.
 
     What the pool's checkout does is done at each take: a connection the server closed
     while it was kept (a restart, a terminated backend) is thrown away unused, as is one
     of a generation a lost connection threw away (:func:`invalidate`), so that a
     statement that fails on its connection was sent (a one-statement write in autocommit
-    may have committed: it is not run again blindly). An operation inside another on
+    may have committed: it is not run again blindly). A transaction inside another on
     the same thread, and a thread past the engine's share (:data:`KEPT_SHARE`), use the
     pool. A thread's connection goes back to the pool when the thread ends, every one
-    when the broker closes (:meth:`close`)."""
+    when the broker closes (:meth:`close`), and one whose transaction was dropped
+    without an end when its session goes (``Session.__del__``)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._lock = threading.Lock()  # a holder's busy flag, against close()
-        self._all: weakref.WeakSet[_Keeping] = weakref.WeakSet()
+        self._lock = threading.Lock()  # the busy flags, against close()
+        self._all: weakref.WeakSet[Keeping] = weakref.WeakSet()
         self._closed = False
 
-    def take(self, engine: sa.Engine) -> sa.Connection:
+    def take(self, engine: sa.Engine) -> tuple[sa.Connection, Keeping | None]:
         """This thread's kept connection of ``engine`` if it is free and sound, else one
-        from the pool (kept from now on when there is room)."""
+        from the pool (kept from now on when there is room); and its keeping (``None``:
+        the pool's, not kept)."""
         if engine.dialect.name != "postgresql":
-            return connect(engine)
-        mine: dict[sa.Engine, _Keeping] = self._local.__dict__.setdefault("mine", {})
+            return connect(engine), None
+        mine: dict[sa.Engine, Keeping] = self._local.__dict__.setdefault("mine", {})
         holder = mine.get(engine)
         if holder is not None:
             with self._lock:
-                if holder.busy:  # an operation inside another: the pool's
-                    return connect(engine)
+                if holder.busy:  # a transaction inside another: the pool's
+                    return connect(engine), None
                 sound = self._sound(holder)
                 holder.busy = sound
             if sound:
-                return holder.conn
-            del mine[engine]
-            holder.release()
+                return holder.conn, holder
+            holder.discard()
         conn = connect(engine)
         with self._lock:
             if self._closed or not self._room(engine):
-                return conn
-            mine[engine] = holder = _Keeping(conn)
+                return conn, None
+            mine[engine] = holder = Keeping(conn, mine)
             self._all.add(holder)
-        return conn
+        return conn, holder
 
-    def give_back(self, conn: sa.Connection) -> None:
-        """End the use of ``conn`` (from :meth:`take`): this thread keeps it if it is
-        its own, sound; any other goes back to the pool."""
-        mine = self._local.__dict__.get("mine", {})
-        holder = mine.get(conn.engine)
-        if holder is None or holder.conn is not conn:
+    def give_back(self, conn: sa.Connection, holder: Keeping | None) -> None:
+        """End the use of ``conn`` (from :meth:`take`, with its ``holder``): kept if it is
+        idle and sound (from any thread: it is its thread's again), else back to the pool."""
+        if holder is None:
             with contextlib.suppress(Exception):
                 conn.close()
             return
+        keep = not (self._closed or conn.closed or conn.invalidated) and _idle(conn)
         with self._lock:
-            holder.busy = False
-            keep = not (self._closed or conn.closed or conn.invalidated)
+            keep = keep and not self._closed
+            if keep:
+                holder.busy = False
         if not keep:
-            del mine[conn.engine]
-            holder.release()
+            holder.discard()
 
     def close(self) -> None:
-        """Give every kept connection back to its pool (a busy one when its operation
+        """Give every kept connection back to its pool (a busy one when its transaction
         ends); none is kept from now on."""
         with self._lock:
             self._closed = True
@@ -235,7 +245,7 @@ class Kept:
         for holder in idle:
             holder.release()
 
-    def _sound(self, holder: _Keeping) -> bool:
+    def _sound(self, holder: Keeping) -> bool:
         conn = holder.conn
         if self._closed or holder.pid != os.getpid() or conn.closed or conn.invalidated:
             return False
@@ -246,6 +256,17 @@ class Kept:
     def _room(self, engine: sa.Engine) -> bool:
         size = getattr(engine.pool, "size", lambda: 0)()
         return sum(h.engine is engine for h in self._all) < size * KEPT_SHARE
+
+
+def _idle(conn: sa.Connection) -> bool:
+    """Whether ``conn`` is in no transaction, for SQLAlchemy and for the server."""
+    if conn.in_transaction():
+        return False
+    driver: Any = conn.connection.driver_connection
+    return bool(driver is not None and driver.info.transaction_status == IDLE)
+
+
+IDLE = 0  # psycopg.pq.TransactionStatus.IDLE (psycopg is not imported: SQLite needs none)
 
 
 def connect_error(engine: sa.Engine, what: str, exc: sa_exc.DBAPIError) -> exceptions.DatabaseError:

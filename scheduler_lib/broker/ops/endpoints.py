@@ -60,11 +60,14 @@ def far(
     :raises ConversationStateError: with ``create``, when the other side existed and
         was removed WITH CLEANUP (never brought back)
     """
-    row = session.one(
-        "endpoint_far",
-        conversation_id=str(near.conversation_id),
-        is_initiator=near.is_initiator,
-    )
+    ids = {"conversation_id": str(near.conversation_id), "is_initiator": near.is_initiator}
+    row = session.one("endpoint_far", **ids)
+    if row is None and create:
+        # Two first SENDs at once (threads on one conversation) would both make the target:
+        # the second waits for the first's lock on the conversation, then finds it.
+        session.execute("endpoints_lock", conversation_id=ids["conversation_id"])
+        session.mark_written()
+        row = session.one("endpoint_far", **ids)
     if row is not None:
         return models.ConversationEndpoint.from_row(row)
     if not create:

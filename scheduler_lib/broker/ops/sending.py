@@ -56,10 +56,14 @@ def _making_target(
     comes into being with the first message, as the checked path makes it, and the SEND
     is one statement already. Not in autocommit, where the endpoint would commit without
     the message; nothing when the conversation sent before."""
-    if session.autocommit or send["handle"] not in session.shared.unsent:
+    if session.autocommit:
         return []
-    # Tried once: should this transaction roll back, the next SEND goes the checked way.
-    session.shared.unsent.discard(send["handle"])
+    # Tried once (by one thread: a set's remove is atomic): should this transaction roll
+    # back, the next SEND goes the checked way.
+    try:
+        session.shared.unsent.remove(send["handle"])
+    except KeyError:
+        return []
     binds = {
         "handle": send["handle"],
         "message_type": send["message_type"],
