@@ -175,10 +175,11 @@ class Kept:
     A pool's checkout and checkin (SQLAlchemy's events, its reset on return) cost a
     short SEND a quarter of its client CPU: a producer's SEND on PostgreSQL took 0.60 ms
     wall and 0.21 ms CPU with them, 0.50 and 0.16 ms without (a probe of 5,000 SENDs, 3
-    runs each way), and the queue workload's consumers, a transaction per message, as
-    much again (``bench.before_after``'s queue figures). A connection is kept only when
-    its transaction is over (the driver says it is idle): a thread that keeps one holds
-    no lock and no snapshot.
+    runs each way). ``python -m bench.before_after --before 305d523`` at 70a8ba6 (its
+    table in docs/benchmarks.md, 2026-11-30 08:13): the peers benchmark's queue at batch
+    1 went from 0.44 to 0.69 of the raw ceiling, its drain from 0.47 to 0.54. A
+    connection is kept only when its transaction is over (the driver says it is idle): a
+    thread that keeps one holds no lock and no snapshot.
 
     What the pool's checkout does is done at each take: a connection the server closed
     while it was kept (a restart, a terminated backend) is thrown away unused, as is one
