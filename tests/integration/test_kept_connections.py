@@ -94,7 +94,6 @@ def test_threads_that_end_give_their_connection_back(catalogued: Broker) -> None
     # by a thread that ended and not given back would drain the pool (the next checkout
     # would wait for its timeout)
     _run_threads(pool_capacity + 10, one_send, together=False)
-    gc.collect()
     assert pool.checkedout() == 0
     assert _drained(broker, 30) == [f"{i:02}".encode() for i in range(pool_capacity + 10)]
 
@@ -123,7 +122,6 @@ def test_threads_keep_at_most_their_share_of_the_pool(catalogued: Broker) -> Non
     seen.append(pool.checkedout())
     done.wait()
     runner.join(TIMEOUT)
-    gc.collect()
     # The kept ones (this thread's among them) hold half the pool at most; the rest went
     # back after each SEND, and the threads' kept ones when they ended
     assert seen == [int(engines.POOL_SIZE * connections.KEPT_SHARE)]
@@ -156,6 +154,21 @@ def test_a_kept_connection_is_not_used_after_its_generation_was_thrown_away(
     finally:
         kept.close()
     assert _pool(broker).checkedout() == 0
+
+
+def test_a_pool_too_small_to_share_keeps_nothing(postgres_url: str) -> None:
+    # A pool of one: half of it rounds down to none (kept, it would be pinned by the
+    # first thread, and every other would wait for the pool's timeout)
+    engine = sa.create_engine(postgres_url, pool_size=1, max_overflow=0, pool_timeout=3)
+    kept = connections.Kept()
+    try:
+        conn, keeping = kept.take(engine)
+        assert keeping is None
+        kept.give_back(conn, keeping)
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        kept.close()
+        engine.dispose()
 
 
 def test_a_transaction_dropped_without_an_end_does_not_stay_open(catalogued: Broker) -> None:

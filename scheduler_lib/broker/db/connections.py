@@ -139,26 +139,39 @@ def connect(engine: sa.Engine) -> sa.Connection:
 KEPT_SHARE = 0.5
 
 
+class _Mine(dict[sa.Engine, "Keeping"]):
+    """A thread's kept connections, by engine (weakly referable: its holders point back
+    to it without a cycle, so that they go, and give their connections back, the moment
+    their thread's locals go — not at the next cyclic garbage collection)."""
+
+    __slots__ = ("__weakref__",)
+
+
 class Keeping:
     """One thread's kept connection of one engine (:meth:`Kept.take` hands it out with the
     connection, :meth:`Kept.give_back` takes both)."""
 
-    __slots__ = ("__weakref__", "busy", "conn", "engine", "generation", "mine", "pid", "release")
+    __slots__ = (
+        *("__weakref__", "busy", "conn", "engine", "generation", "kept_at", "mine"),
+        *("pid", "release"),
+    )
 
-    def __init__(self, conn: sa.Connection, mine: dict[sa.Engine, Keeping]) -> None:
+    def __init__(self, conn: sa.Connection, mine: _Mine, generation: int) -> None:
         self.conn = conn
         self.engine = conn.engine
-        self.generation = _generations.get(conn.engine, 0)
+        self.generation = generation  # as it was before the connection was checked out
+        self.kept_at = time.monotonic()
         self.pid = os.getpid()
         self.busy = True
-        self.mine = mine  # its thread's kept connections, by engine
+        self.mine = weakref.ref(mine)  # its thread's kept connections
         # When its thread ends (its locals go) or the broker closes: back to the pool
         self.release = weakref.finalize(self, _give_back_to_pool, conn, self.pid)
 
     def discard(self) -> None:
         """Not kept any more: the connection goes back to its pool (which resets it)."""
-        if self.mine.get(self.engine) is self:
-            self.mine.pop(self.engine, None)
+        mine = self.mine()
+        if mine is not None and mine.get(self.engine) is self:
+            mine.pop(self.engine, None)
         self.release()
 
 
@@ -185,15 +198,20 @@ class Kept:
     while it was kept (a restart, a terminated backend) is thrown away unused, as is one
     of a generation a lost connection threw away (:func:`invalidate`), so that a
     statement that fails on its connection was sent (a one-statement write in autocommit
-    may have committed: it is not run again blindly). A transaction inside another on
-    the same thread, and a thread past the engine's share (:data:`KEPT_SHARE`), use the
-    pool. A thread's connection goes back to the pool when the thread ends, every one
-    when the broker closes (:meth:`close`), and one whose transaction was dropped
-    without an end when its session goes (``Session.__del__``)."""
+    may have committed: it is not run again blindly); one kept past the pool's
+    ``pool_recycle`` goes back too, and a pool with ``pool_pre_ping`` keeps none (its
+    user wants the ping). A transaction inside another on the same thread, and a thread
+    past the engine's share (:data:`KEPT_SHARE`, rounded down: a pool of one keeps
+    none), use the pool. A thread's connection goes back to the pool when the thread
+    ends, every one when the broker closes (:meth:`close`), and one whose transaction was
+    dropped without an end when its session goes (``Session.__del__``)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._lock = threading.Lock()  # the busy flags, against close()
+        # The busy flags and the set of holders, against close(). Nothing that can wait
+        # (a pool's checkout) runs under it, and nothing run by the garbage collector
+        # (a finalizer, Session.__del__) takes it.
+        self._lock = threading.Lock()
         self._all: weakref.WeakSet[Keeping] = weakref.WeakSet()
         self._closed = False
 
@@ -203,22 +221,27 @@ class Kept:
         the pool's, not kept)."""
         if engine.dialect.name != "postgresql":
             return connect(engine), None
-        mine: dict[sa.Engine, Keeping] = self._local.__dict__.setdefault("mine", {})
+        mine: _Mine | None = self._local.__dict__.get("mine")
+        if mine is None:
+            mine = self._local.mine = _Mine()
         holder = mine.get(engine)
         if holder is not None:
             with self._lock:
-                if holder.busy:  # a transaction inside another: the pool's
-                    return connect(engine), None
-                sound = self._sound(holder)
-                holder.busy = sound
+                busy = holder.busy  # busy: a transaction inside another, the pool's
+                sound = not busy and self._sound(holder)
+                holder.busy = busy or sound
+            if busy:
+                return connect(engine), None
             if sound:
                 return holder.conn, holder
             holder.discard()
+            holder = None
+        generation = _generations.get(engine, 0)  # read first: a discard meanwhile wins
         conn = connect(engine)
         with self._lock:
             if self._closed or not self._room(engine):
                 return conn, None
-            mine[engine] = holder = Keeping(conn, mine)
+            mine[engine] = holder = Keeping(conn, mine, generation)
             self._all.add(holder)
         return conn, holder
 
@@ -252,11 +275,17 @@ class Kept:
             return False
         if holder.generation != _generations.get(holder.engine, 0):
             return False
+        recycle = getattr(holder.engine.pool, "_recycle", -1)
+        if 0 <= recycle < time.monotonic() - holder.kept_at:
+            return False
         return not engines.closed_by_server(conn.connection.driver_connection)
 
     def _room(self, engine: sa.Engine) -> bool:
-        size = getattr(engine.pool, "size", lambda: 0)()
-        return sum(h.engine is engine for h in self._all) < size * KEPT_SHARE
+        pool = engine.pool
+        if getattr(pool, "_pre_ping", False):
+            return False
+        share = int(getattr(pool, "size", lambda: 0)() * KEPT_SHARE)
+        return sum(h.engine is engine for h in self._all) < share
 
 
 def _idle(conn: sa.Connection) -> bool:

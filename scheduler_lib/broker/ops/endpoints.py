@@ -64,9 +64,11 @@ def far(
     row = session.one("endpoint_far", **ids)
     if row is None and create:
         # Two first SENDs at once (threads on one conversation) would both make the target:
-        # the second waits for the first's lock on the conversation, then finds it.
-        session.execute("endpoints_lock", conversation_id=ids["conversation_id"])
+        # the second waits for the first's lock on the sending endpoint (the SEND takes it
+        # anyway), then reads both sides again.
+        session.execute("endpoint_lock", handle=str(near.conversation_handle))
         session.mark_written()
+        near = endpoint(session, str(near.conversation_handle))
         row = session.one("endpoint_far", **ids)
     if row is not None:
         return models.ConversationEndpoint.from_row(row)

@@ -296,6 +296,11 @@ SELECT e.*, CASE WHEN e.state = 'SO' AND EXISTS (
 ) THEN 'CO' ELSE e.state END AS effective_state
 FROM conversation_endpoints e ORDER BY e.created_at, e.conversation_handle;
 
+-- name: endpoint_lock
+-- Lock one endpoint's row (its own SENDs wait in turn: a first SEND that makes the
+-- target endpoint); no other row, so it adds no lock order (a no-op on SQLite).
+SELECT conversation_handle FROM conversation_endpoints WHERE conversation_handle = :handle;
+
 -- name: endpoints_lock
 -- Lock both endpoints of a conversation, initiator first, so END CONVERSATION from both
 -- sides at once waits instead of deadlocking (a no-op on SQLite, whose lock is global).

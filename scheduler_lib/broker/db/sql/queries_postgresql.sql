@@ -82,6 +82,12 @@ FOR UPDATE SKIP LOCKED;
 SELECT conversation_group_id FROM conversation_groups WHERE conversation_group_id = :group_id
 FOR UPDATE SKIP LOCKED;
 
+-- name: endpoint_lock
+-- Lock one endpoint's row (its own SENDs wait in turn: a first SEND that makes the
+-- target endpoint); no other row, so it adds no lock order.
+SELECT conversation_handle FROM conversation_endpoints WHERE conversation_handle = :handle
+FOR UPDATE;
+
 -- name: endpoints_lock
 -- Lock both endpoints of a conversation, initiator first.
 SELECT conversation_handle FROM conversation_endpoints
