@@ -41,7 +41,7 @@ WHY = {
         " share the two cores with it (the results JSON gives each run's enqueue time beside "
         "its length). Since 2026-11-30 each thread keeps its connection between its "
         "transactions and statements (`connections.Kept`) instead of a pool's checkout and "
-        "checkin each, which cost a short SEND a quarter of its client CPU: `python -m "
+        "checkin each (Python work on every operation): `python -m "
         "bench.before_after --before 305d523` at 70a8ba6 (2026-11-30 08:13, its table "
         "further down, medians of 3 rounds) measured batch 1 at 0.44 of the ceiling before "
         "and 0.69 after, the drain at 0.47 and 0.54 — on a machine whose figures moved by a "

@@ -185,12 +185,11 @@ class Kept:
     """Each thread's own connection of an engine, kept between its transactions (and its
     single statements in autocommit) instead of going back to the pool after each.
 
-    A pool's checkout and checkin (SQLAlchemy's events, its reset on return) cost a
-    short SEND a quarter of its client CPU: a producer's SEND on PostgreSQL took 0.60 ms
-    wall and 0.21 ms CPU with them, 0.50 and 0.16 ms without (a probe of 5,000 SENDs, 3
-    runs each way). ``python -m bench.before_after --before 305d523`` at 70a8ba6 (its
-    table in docs/benchmarks.md, 2026-11-30 08:13): the peers benchmark's queue at batch
-    1 went from 0.44 to 0.69 of the raw ceiling, its drain from 0.47 to 0.54. A
+    A pool's checkout and checkin (SQLAlchemy's events, its reset on return) are Python
+    work on every operation, on the client's share of two cores: ``python -m
+    bench.before_after --before 305d523`` at 70a8ba6 (its table in docs/benchmarks.md,
+    2026-11-30 08:13) measured the peers benchmark's queue at batch 1 going from 0.44 to
+    0.69 of the raw ceiling, its drain from 0.47 to 0.54. A
     connection is kept only when its transaction is over (the driver says it is idle): a
     thread that keeps one holds no lock and no snapshot.
 

@@ -54,7 +54,7 @@ class Shared:
     #: own round trip (``sending.UNSENT_LIMIT`` at most are kept)
     unsent: set[str] = dataclasses.field(default_factory=set)
     max_message_size: int = 0  # bytes; the largest body SEND accepts
-    #: each thread's own connection of an autocommit engine, kept between operations
+    #: each thread's own connection of each engine, kept between its operations
     kept: connections.Kept = dataclasses.field(default_factory=connections.Kept)
 
     @property
@@ -175,8 +175,8 @@ class Session:
             if engine is None and self.autocommit:
                 engine = self.shared.autocommit_engine
             engine = engine or self.shared.engine
-            # its thread's own, kept between its transactions (a pool's checkout and
-            # checkin cost a short SEND a quarter of its client CPU)
+            # its thread's own, kept between its transactions (connections.Kept: a
+            # pool's checkout and checkin each time cost more than a short statement)
             self._connection, self._kept = self.shared.kept.take(engine)
         if self._engine is None:
             self._enter_gate()

@@ -425,7 +425,7 @@ WITH near AS (
         WHERE c.contract_name = n.contract_name AND c.message_type_name = :message_type
         AND mt.validation = :validation AND c.sent_by IN ('ANY', 'INITIATOR')
     )
-    -- The initiator locked first, as the checked path's endpoints_lock does before it makes
+    -- The initiator locked first, as the checked path's endpoint_lock does before it makes
     -- the target (the SEND after this locks it anyway): two first SENDs at once wait in
     -- turn, and the second, its row sent on by then, writes nothing here.
     FOR UPDATE OF n
