@@ -29,6 +29,11 @@ Record = list[Any]  # [tag, start, end]
 TARGET_QUEUE = "BenchTargetQueue"  # the broker-level queue of workload 1 (bench.broker_throughput)
 TASK_QUEUE = "QueueAsyncTarget"  # the scheduler's target queue
 RAW_EMPTY_WAIT = 0.5  # seconds: a raw consumer's longest wait for a NOTIFY on an empty table
+# The ceiling's dequeue: ``top`` rows, the oldest first, that no other consumer holds.
+RAW_DELETE = (
+    "DELETE FROM bench_raw WHERE id IN (SELECT id FROM bench_raw ORDER BY id LIMIT %s "
+    "FOR UPDATE SKIP LOCKED) RETURNING body"
+)
 
 
 def tag_of(body: bytes | str) -> str:
@@ -110,10 +115,6 @@ def raw_worker(url: str, consumers: int, stop: threading.Event, top: int) -> lis
     the back-off was a large share of it.)"""
     import psycopg
 
-    delete = (
-        "DELETE FROM bench_raw WHERE id IN (SELECT id FROM bench_raw ORDER BY id LIMIT %s "
-        "FOR UPDATE SKIP LOCKED) RETURNING body"
-    )
     records: list[Record] = []
     lock = threading.Lock()
 
@@ -121,7 +122,7 @@ def raw_worker(url: str, consumers: int, stop: threading.Event, top: int) -> lis
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("LISTEN bench_raw")
             while not stop.is_set():
-                rows = conn.execute(delete, (top,)).fetchall()
+                rows = conn.execute(RAW_DELETE, (top,)).fetchall()
                 done = time.time()
                 if not rows:
                     for _ in conn.notifies(timeout=RAW_EMPTY_WAIT, stop_after=1):

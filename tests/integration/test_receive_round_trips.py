@@ -17,6 +17,7 @@ import pytest
 
 from scheduler_lib.broker import Broker
 from scheduler_lib.broker.activation import ActivationRuntime
+from scheduler_lib.broker.db import store
 from scheduler_lib.broker.db.store import Store
 from scheduler_lib.broker.transport.endpoint import TransportEndpoint
 
@@ -146,7 +147,7 @@ def test_a_connection_lost_at_the_idle_commit_of_a_waiting_synchronization(
 
         def killing(self: Session) -> None:
             conn = self.connection() if self.connected else None
-            if not killed.is_set() and conn is not None and conn.in_transaction():
+            if not killed.is_set() and conn is not None and store.in_transaction(conn):
                 pid = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
                 with broker.transaction() as tx:
                     tx.session.connection().exec_driver_sql(

@@ -329,11 +329,18 @@ class RestartTrap:
             return
 
         def lose_reply() -> BaseException:
-            # What SQLAlchemy raises when the driver finds the connection dead
+            # What the commit raises when the driver finds the connection dead:
+            # SQLAlchemy's wrapping of it, or the driver's own error where the transaction
+            # was the driver's alone (store.commit)
             try:
-                conn.exec_driver_sql("SELECT 1")
-            except sa.exc.DBAPIError as exc:
-                return exc
+                if conn.in_transaction():
+                    conn.exec_driver_sql("SELECT 1")
+                else:
+                    conn.connection.driver_connection.execute("SELECT 1")  # type: ignore[union-attr]
+            except Exception as exc:
+                if isinstance(exc, sa.exc.DBAPIError) or store_module.is_driver_error(exc):
+                    return exc
+                raise
             return AssertionError("the connection survived the restart")
 
         self._springing(end, lose_reply)
@@ -343,6 +350,7 @@ class RestartTrap:
         execute, execute_many = Store.execute, Store.execute_many
         on_driver, pipeline, take_then = Store._on_driver, Store.pipeline, Store.take_then
         commit, rollback = sa.Connection.commit, sa.Connection.rollback
+        store_commit, store_rollback = store_module.commit, store_module.rollback
 
         def patched_execute(self: Store, conn: sa.Connection, query: str, /, **params: Any) -> Any:
             return trap._statement(
@@ -396,6 +404,20 @@ class RestartTrap:
         def patched_rollback(self: sa.Connection) -> None:
             trap._ending_call(self, "rollback", lambda: rollback(self))
 
+        # A transaction of the driver's statements alone ends on the driver, past
+        # SQLAlchemy (store.commit): its end is a door too
+        def patched_store_commit(conn: sa.Connection) -> None:
+            if conn.in_transaction():
+                store_commit(conn)  # through sa.Connection.commit, patched above
+            else:
+                trap._ending_call(conn, "commit", lambda: store_commit(conn))
+
+        def patched_store_rollback(conn: sa.Connection) -> None:
+            if conn.in_transaction():
+                store_rollback(conn)
+            else:
+                trap._ending_call(conn, "rollback", lambda: store_rollback(conn))
+
         monkeypatch.setattr(Store, "execute", patched_execute)
         monkeypatch.setattr(Store, "execute_many", patched_execute_many)
         monkeypatch.setattr(Store, "_on_driver", patched_on_driver)
@@ -403,12 +425,16 @@ class RestartTrap:
         monkeypatch.setattr(Store, "take_then", patched_take_then)
         monkeypatch.setattr(sa.Connection, "commit", patched_commit)
         monkeypatch.setattr(sa.Connection, "rollback", patched_rollback)
+        monkeypatch.setattr(store_module, "commit", patched_store_commit)
+        monkeypatch.setattr(store_module, "rollback", patched_store_rollback)
 
 
 def _is_lost_connection(exc: BaseException | None) -> bool:
     """What a statement or commit on a connection the restart killed raises: the store's
-    ConnectionLost, or (from ``Connection.commit``) SQLAlchemy's wrapped driver error."""
+    ConnectionLost, or (from a commit) SQLAlchemy's wrapped driver error or the driver's."""
     if isinstance(exc, ConnectionLost):
+        return True
+    if exc is not None and store_module.is_driver_error(exc):
         return True
     return isinstance(exc, sa.exc.DBAPIError) and type(exc.orig).__module__.startswith("psycopg")
 

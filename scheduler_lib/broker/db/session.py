@@ -290,19 +290,13 @@ class Session:
                 self.store.execute(conn, "queue_notify", name=queue)
             if self._transmitted and self.store.features.notifies:
                 self.store.execute(conn, "transmission_notify")
-            try:
-                conn.commit()
-            except sa.exc.DBAPIError as exc:
-                if not connections.is_lost(exc):
-                    raise store.database_error(conn.engine, "commit", exc) from exc
-                connections.invalidate(conn, exc)
-                # Lost during COMMIT: a transaction that wrote may or may not have
-                # committed. One that only read did nothing either way.
-                raise connections.lost("commit", exc, committing=self._wrote) from exc
+            # Lost during COMMIT: a transaction that wrote may or may not have committed.
+            # One that only read did nothing either way.
+            self._commit_on(conn, committing=self._wrote)
         except BaseException as exc:
             failed = not isinstance(exc, exceptions.ConnectionLost)
             with contextlib.suppress(Exception):  # a lost connection has nothing to undo
-                conn.rollback()
+                store.rollback(conn)
             raise
         finally:
             try:
@@ -331,9 +325,11 @@ class Session:
         if conn is not None:
             self._connection = None
             try:
-                conn.rollback()
-            except sa.exc.DBAPIError as exc:
-                if not connections.is_lost(exc):  # the server rolled back a lost one itself
+                store.rollback(conn)
+            except Exception as exc:
+                if not isinstance(exc, sa.exc.DBAPIError) and not store.is_driver_error(exc):
+                    raise
+                if not store.is_lost(conn, exc):  # the server rolled back a lost one itself
                     raise
                 connections.invalidate(conn, exc)
             finally:
@@ -391,16 +387,25 @@ class Session:
         psycopg forgets every prepared statement of the connection at a ROLLBACK
         (DEALLOCATE ALL), so the statements after each empty look were planned anew."""
         conn = self._connection
-        if not self._wrote and conn is not None and conn.in_transaction():
-            try:
-                conn.commit()
-            except sa.exc.DBAPIError as exc:
-                if not connections.is_lost(exc):
-                    raise exceptions.DatabaseError(f"commit: {exc.orig}") from exc
-                connections.invalidate(conn, exc)
-                # It had done nothing: nothing went with it, and the operation can run again
-                raise connections.lost("commit", exc) from exc
+        if not self._wrote and conn is not None and store.in_transaction(conn):
+            # It had done nothing: nothing went with it, and the operation can run again
+            self._commit_on(conn, committing=False)
             self._leave_gate()
+
+    @staticmethod
+    def _commit_on(conn: sa.Connection, *, committing: bool) -> None:
+        """Commit ``conn``'s transaction (SQLAlchemy's or the driver's own), a failure said
+        as the broker says it: a lost connection is thrown away and becomes ConnectionLost
+        (``committing``: the commit may have happened), any other error DatabaseError."""
+        try:
+            store.commit(conn)
+        except Exception as exc:
+            if not isinstance(exc, sa.exc.DBAPIError) and not store.is_driver_error(exc):
+                raise
+            if not store.is_lost(conn, exc):
+                raise store.commit_error(conn, exc) from exc
+            connections.invalidate(conn, exc)
+            raise connections.lost("commit", exc, committing=committing) from exc
 
     def _enter_gate(self) -> None:
         """SQLite: take this process's write gate before BEGIN IMMEDIATE. Threads of one

@@ -168,9 +168,8 @@ class Store:
         """Run several named statements in one round trip (PostgreSQL's pipeline mode),
         in order, inside ``conn``'s transaction (whose BEGIN goes with them); the rows of
         each. For statements that do not depend on each other's results: a SEND and the
-        row it announces. If one fails, the transaction is aborted and this raises."""
-        if not conn.in_transaction():
-            conn.begin()
+        row it announces. If one fails, the transaction is aborted and this raises. (As
+        :meth:`_on_driver`'s, the transaction is the driver's until SQLAlchemy runs one.)"""
         driver = conn.connection.driver_connection
         cursors = []
         try:
@@ -203,8 +202,6 @@ class Store:
         too, the WAL being written in order (``durable=False``: it does not wait for
         the flush either). The rows of each; for ``then``, the error it met instead when
         it failed (it wrote nothing; the take stands)."""
-        if not conn.in_transaction():
-            conn.begin()
         driver = conn.connection.driver_connection
         took = driver.cursor()  # type: ignore[union-attr]
         recorded = driver.cursor()  # type: ignore[union-attr]
@@ -255,10 +252,10 @@ class Store:
         cursor (PostgreSQL): SQLAlchemy's statement and result handling costs several
         times the round trip's client CPU on a small machine, and the hot path runs many
         short statements. It still runs on ``conn``'s connection, inside its
-        transaction; the text is compiled once per query."""
+        transaction; the text is compiled once per query. Outside autocommit the driver
+        begins that transaction itself, unknown to SQLAlchemy: :func:`commit` ends it
+        (SQLAlchemy's begin and commit around it were a sixth of a RECEIVE's client CPU)."""
         sql = self._driver_text(query)
-        if not conn.in_transaction():
-            conn.begin()  # so that conn.commit() commits what the driver cursor did
         try:
             with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
                 cursor.execute(sql, params)
@@ -321,6 +318,64 @@ def database_error(
                 hint="free space on its disk, then try again",
             )
     return exceptions.DatabaseError(f"{name}: {exc.orig}")
+
+
+def in_transaction(conn: sa.Connection) -> bool:
+    """Whether ``conn`` is in a transaction: SQLAlchemy's, or one the driver began for a
+    statement on its own cursor (:meth:`Store._on_driver`), which SQLAlchemy never saw."""
+    return conn.in_transaction() or _driver_transaction(conn)
+
+
+def _driver_transaction(conn: sa.Connection) -> bool:
+    if conn.dialect.name != "postgresql":
+        return False  # SQLite's statements all go through SQLAlchemy
+    driver: Any = conn.connection.driver_connection
+    return bool(driver is not None and driver.info.transaction_status != IDLE)
+
+
+def commit(conn: sa.Connection) -> None:
+    """Commit ``conn``'s transaction, SQLAlchemy's or the driver's own (a transaction of
+    statements on the driver's cursor only: SQLAlchemy's commit would do nothing).
+
+    :raises sa.exc.DBAPIError: SQLAlchemy's commit failed
+    :raises psycopg.Error: the driver's commit failed
+    """
+    if conn.in_transaction():
+        conn.commit()
+    elif _driver_transaction(conn):
+        conn.connection.driver_connection.commit()  # type: ignore[union-attr]
+
+
+def rollback(conn: sa.Connection) -> None:
+    """Roll back ``conn``'s transaction, SQLAlchemy's or the driver's own (as :func:`commit`)."""
+    if conn.in_transaction():
+        conn.rollback()
+    elif _driver_transaction(conn):
+        conn.connection.driver_connection.rollback()  # type: ignore[union-attr]
+
+
+IDLE = 0  # psycopg.pq.TransactionStatus.IDLE (psycopg is not imported: SQLite needs none)
+
+
+def is_driver_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the driver's own (raised past SQLAlchemy, on its cursor or
+    connection) rather than SQLAlchemy's wrapping of one."""
+    return type(exc).__module__.startswith("psycopg")
+
+
+def is_lost(conn: sa.Connection, exc: BaseException) -> bool:
+    """Whether ``exc``, met on ``conn``, means the connection is gone."""
+    if connections.is_lost(exc):
+        return True
+    driver = conn.connection.driver_connection if is_driver_error(exc) else None
+    return bool(getattr(driver, "broken", False) or getattr(driver, "closed", False))
+
+
+def commit_error(conn: sa.Connection, exc: BaseException) -> exceptions.DatabaseError:
+    """A commit that failed on a connection still there, said as :func:`database_error`."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        return database_error(conn.engine, "commit", exc)
+    return exceptions.DatabaseError("commit: " + " ".join(str(exc).split()))  # one line
 
 
 def _driver_error(conn: sa.Connection, name: str, exc: Exception) -> Exception:

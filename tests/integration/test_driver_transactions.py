@@ -1,0 +1,99 @@
+"""A transaction whose statements all ran on the driver's own cursor (the hot path's
+RECEIVE, SEND and take on PostgreSQL) is the driver's, not SQLAlchemy's: the session ends
+it on the driver (``store.commit`` / ``store.rollback``). Its end must mean what
+SQLAlchemy's did: a commit keeps what it did, a rollback gives the messages back, a commit
+the server refuses is one line naming it with nothing kept, and the thread's connection is
+clean for its next transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from scheduler_lib.broker import Broker, DatabaseError
+from scheduler_lib.broker.db import store
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def broker(postgres_url: str) -> Iterator[Broker]:
+    b = Broker(postgres_url, timers=False)
+    try:
+        b.create_message_type("AsyncSent", "NONE")
+        b.create_contract("AsyncContract", {"AsyncSent": "INITIATOR"})
+        b.create_queue("InitiatorQueue")
+        b.create_queue("TargetQueue")
+        b.create_service("InitiatorService", "InitiatorQueue")
+        b.create_service("TargetService", "TargetQueue", ["AsyncContract"])
+        yield b
+    finally:
+        b.close()
+
+
+def _sent(broker: Broker, *bodies: bytes) -> str:
+    handle = str(broker.begin_dialog("InitiatorService", "TargetService", "AsyncContract"))
+    for body in bodies:
+        broker.send(handle, "AsyncSent", body)
+    return handle
+
+
+def test_a_receive_is_the_drivers_transaction_and_its_commit_keeps_it(broker: Broker) -> None:
+    _sent(broker, b"one", b"two")
+    # When a transaction receives one message and commits
+    with broker.transaction() as tx:
+        got = tx.receive("TargetQueue", top=1)
+        conn = tx.session.connection()
+        # (SQLAlchemy never saw it begin: only the driver's cursor ran)
+        assert not conn.in_transaction() and store.in_transaction(conn)
+    # Then it is gone for good, and the next transaction gets the next one
+    assert [m.body for m in got] == [b"one"]
+    with broker.transaction() as tx:
+        assert [m.body for m in tx.receive("TargetQueue", top=5)] == [b"two"]
+
+
+def test_a_receive_rolled_back_on_the_driver_gives_its_message_back(broker: Broker) -> None:
+    _sent(broker, b"one")
+    # When the transaction that received it fails
+    with pytest.raises(RuntimeError), broker.transaction() as tx:
+        assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
+        raise RuntimeError("the handler failed")
+    # Then the message is back, and this thread's next transaction takes it
+    with broker.transaction() as tx:
+        assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
+
+
+def test_a_commit_the_server_refuses_is_one_line_and_keeps_nothing(
+    broker: Broker, postgres_url: str
+) -> None:
+    _sent(broker, b"one")
+    # Given: a table whose deferred check refuses every row at COMMIT
+    with broker.transaction() as tx:
+        tx.session.connection().exec_driver_sql(
+            "CREATE TABLE refused_at_commit (id int);"
+            "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$BEGIN RAISE EXCEPTION 'refused at commit'; END$$;"
+            "CREATE CONSTRAINT TRIGGER refuse AFTER INSERT ON refused_at_commit "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse()"
+        )
+    # When a transaction receives the message and writes such a row on the driver's
+    # cursor too (the transaction stays the driver's alone), then commits
+    with pytest.raises(DatabaseError) as raised, broker.transaction() as tx:
+        assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
+        conn = tx.session.connection()
+        conn.connection.driver_connection.execute("INSERT INTO refused_at_commit VALUES (1)")
+        assert not conn.in_transaction()
+    # Then the caller is told in one line what the server said, at the commit
+    text = str(raised.value)
+    assert text.startswith("commit:") and "refused at commit" in text
+    assert "\n" not in text.strip()
+    # And nothing of it was kept: the message is back, for this thread's next transaction
+    with broker.transaction() as tx:
+        assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
+        assert (
+            tx.session.connection()
+            .exec_driver_sql("SELECT count(*) FROM refused_at_commit")
+            .scalar()
+            == 0
+        )
