@@ -10,10 +10,11 @@ Four ways of draining the same ``--messages`` 100-byte messages, enqueued first 
 
 - **ours**: ``with broker.transaction() as tx: tx.receive(queue, top=1)``, the consumer
   of ``bench.peers.worker.ours_worker`` (BEGIN, the one-statement RECEIVE, COMMIT);
-- **our RECEIVE on psycopg, in a transaction**: the same statement (``receive_fast``, the
-  text our store sends, read from it: an internal name, so this script may need updating
-  when it changes), with the same binds, straight on a psycopg connection per thread,
-  then ``commit()``: the same round trips and server work, none of our Python;
+- **our RECEIVE on psycopg, in a transaction**: the same statement (``receive_fast_one``,
+  the RECEIVE of one message; the text our store sends, read from it: an internal name, so
+  this script may need updating when it changes), with the same binds, straight on a
+  psycopg connection per thread, then ``commit()``: the same round trips and server work,
+  none of our Python;
 - **our RECEIVE on psycopg, autocommit**: the same, one round trip per message;
 - **raw**: the ceiling's ``DELETE … FOR UPDATE SKIP LOCKED`` (``bench.peers.worker.RAW_DELETE``)
   in autocommit.
@@ -113,8 +114,8 @@ def consumer(
             lambda conn: conn.execute(RAW_DELETE, (1,), prepare=True).fetchall(),
             lambda: psycopg.connect(url, autocommit=True),
         )
-    statement = broker._shared.store._driver_text("receive_fast")
-    binds = {"queue": TARGET_QUEUE, "top": 1}
+    statement = broker._shared.store._driver_text("receive_fast_one")
+    binds = {"queue": TARGET_QUEUE}
     autocommit = way == "statement_auto"
 
     def look(conn: psycopg.Connection[Any]) -> list[Any]:

@@ -86,6 +86,7 @@ FAST_PATHS = (
     "send_fast",
     "send_many_fast",
     "receive_fast",
+    "receive_fast_one",  # TOP 1
     "receive_fast_conversation",
     "take_fast",
     "target_create_fast",  # a conversation's first SEND: its target endpoint, ahead of it
@@ -654,6 +655,17 @@ def crowded_group(w: World) -> None:
         w.broker.send(w.handle(f"g{n}.t"), "Done", f"g{n}")
 
 
+def levels_in_one_group(w: World) -> None:
+    """Two conversations of one group at two levels on the target queue: a's messages
+    arrived first, then u's (at 8), then a's again; u moved into a's group."""
+    w.dialog("a")
+    w.dialog("u", to=URGENT)
+    for n, label in enumerate("aaua"):
+        w.broker.send(w.handle(f"{label}.i"), "Job", f"{label}{n}")
+    group = w.broker.conversation_endpoint(w.handle("a.t")).conversation_group_id
+    w.broker.move_conversation(w.handle("u.t"), group)
+
+
 class _Undo(Exception):
     """Raised to roll a transaction back."""
 
@@ -1045,6 +1057,8 @@ RECEIVE_CASES = [
         fast=False,
     ),
     Case("replies-in-a-related-group", related_replies, receive_all(IQ, 1), fast=True),
+    Case("levels-in-one-group-top-1", levels_in_one_group, receive_all(TQ, 1), fast=True),
+    Case("levels-in-one-group-top-2", levels_in_one_group, receive_all(TQ, 2), fast=True),
     Case("six-conversations-in-one-group", crowded_group, receive_all(IQ, 10), fast=True),
     Case("two-in-one-transaction", mixed_traffic, two_receives_in_one_transaction, fast=True),
     Case("unknown-queue", started, receive_all("NoSuchQueue", 1), fast=False),
@@ -1062,6 +1076,12 @@ TAKE_CASES = [
         fast=True,
     ),
     Case("top-2-durable", mixed_traffic, take_all(TQ, 2, durable=True), fast=True),
+    Case(
+        "levels-in-one-group",
+        levels_in_one_group,
+        take_all(TQ, 1, durable=False),
+        fast=True,
+    ),
     Case("unknown-queue", started, take_all("NoSuchQueue", 1, durable=False), fast=False),
     *(
         Case(f"{name}-not-durable", given, take_all(TQ, 2, durable=False), fast, disagrees)

@@ -198,7 +198,7 @@ def test_a_connection_is_kept_only_when_its_transaction_is_over() -> None:
         transaction_status = connections.IDLE
 
     class Fairy:
-        driver_connection = type("Driver", (), {"info": Info()})()
+        dbapi_connection = type("Driver", (), {"info": Info()})()
 
     class Conn:
         connection = Fairy()

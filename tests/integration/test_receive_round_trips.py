@@ -58,7 +58,7 @@ def test_an_empty_receive_looks_once(broker: Broker, monkeypatch: pytest.MonkeyP
     with broker.transaction() as tx:
         assert tx.receive(QUEUE, timeout=0) == []
     # Then each looked once
-    assert looks == ["receive_fast", "receive_fast"]
+    assert looks == ["receive_fast_one", "receive_fast_one"]  # (TOP 1, the default)
 
 
 def test_a_waiting_receive_keeps_the_prepared_statements(broker: Broker) -> None:

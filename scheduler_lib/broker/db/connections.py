@@ -277,7 +277,7 @@ class Kept:
         recycle = getattr(holder.engine.pool, "_recycle", -1)
         if 0 <= recycle < time.monotonic() - holder.kept_at:
             return False
-        return not engines.closed_by_server(conn.connection.driver_connection)
+        return not engines.closed_by_server(conn.connection.dbapi_connection)
 
     def _room(self, engine: sa.Engine) -> bool:
         pool = engine.pool
@@ -291,7 +291,7 @@ def _idle(conn: sa.Connection) -> bool:
     """Whether ``conn`` is in no transaction, for SQLAlchemy and for the server."""
     if conn.in_transaction():
         return False
-    driver: Any = conn.connection.driver_connection
+    driver: Any = conn.connection.dbapi_connection  # the driver's own (store.driver_of)
     return bool(driver is not None and driver.info.transaction_status == IDLE)
 
 

@@ -43,7 +43,7 @@ class Dialect:
     #: the named statements each capability rests on (the broker's own queries)
     STATEMENTS: ClassVar[dict[str, tuple[str, ...]]] = {
         "one_statement_send": ("send_fast", "send_many_fast", "target_create_fast"),
-        "one_statement_receive": ("receive_fast", "receive_fast_conversation"),
+        "one_statement_receive": ("receive_fast", "receive_fast_one", "receive_fast_conversation"),
         "one_statement_take": ("take_fast", "leases_taken"),
         "notifies": ("transmission_notify",),
         "commits_without_flush": ("commit_without_fsync",),

@@ -170,12 +170,12 @@ class Store:
         each. For statements that do not depend on each other's results: a SEND and the
         row it announces. If one fails, the transaction is aborted and this raises. (As
         :meth:`_on_driver`'s, the transaction is the driver's until SQLAlchemy runs one.)"""
-        driver = conn.connection.driver_connection
+        driver = driver_of(conn)
         cursors = []
         try:
-            with driver.pipeline():  # type: ignore[union-attr]
+            with driver.pipeline():
                 for query, params in statements:
-                    cursor = driver.cursor()  # type: ignore[union-attr]
+                    cursor = driver.cursor()
                     cursor.execute(self._driver_text(query), params)
                     cursors.append(cursor)
             # Leaving the block synced the pipeline: every result is here.
@@ -202,21 +202,21 @@ class Store:
         too, the WAL being written in order (``durable=False``: it does not wait for
         the flush either). The rows of each; for ``then``, the error it met instead when
         it failed (it wrote nothing; the take stands)."""
-        driver = conn.connection.driver_connection
-        took = driver.cursor()  # type: ignore[union-attr]
-        recorded = driver.cursor()  # type: ignore[union-attr]
+        driver = driver_of(conn)
+        took = driver.cursor()
+        recorded = driver.cursor()
         try:
             try:
-                with driver.pipeline():  # type: ignore[union-attr]
+                with driver.pipeline():
                     took.execute(self._driver_text(take[0]), take[1])
                     # Statements up to the pipeline's sync share one transaction unless
                     # told otherwise: end the take's here, without the flush.
-                    driver.execute("COMMIT")  # type: ignore[union-attr]
-                    driver.execute("BEGIN")  # type: ignore[union-attr]
+                    driver.execute("COMMIT")
+                    driver.execute("BEGIN")
                     if durable:
-                        driver.execute("SET LOCAL synchronous_commit TO on")  # type: ignore[union-attr]
+                        driver.execute("SET LOCAL synchronous_commit TO on")
                     recorded.execute(self._driver_text(then[0]), then[1])
-                    driver.execute("COMMIT")  # type: ignore[union-attr]
+                    driver.execute("COMMIT")
                 return list(took.fetchall()), list(recorded.fetchall())
             except Exception as exc:
                 error = _driver_error(conn, f"{take[0]}+{then[0]}", exc)
@@ -230,7 +230,7 @@ class Store:
                     raise error from exc
             # The take committed; what follows it was undone: leave its transaction.
             try:
-                driver.execute("ROLLBACK")  # type: ignore[union-attr]
+                driver.execute("ROLLBACK")
             except Exception as exc:
                 raise _driver_error(conn, then[0], exc) from exc
             return list(took.fetchall()), error
@@ -257,7 +257,7 @@ class Store:
         (SQLAlchemy's begin and commit around it were a sixth of a RECEIVE's client CPU)."""
         sql = self._driver_text(query)
         try:
-            with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
+            with driver_of(conn).cursor() as cursor:
                 cursor.execute(sql, params)
                 result = cursor.pgresult
                 if result is None or result.status != TUPLES_OK:
@@ -320,6 +320,13 @@ def database_error(
     return exceptions.DatabaseError(f"{name}: {exc.orig}")
 
 
+def driver_of(conn: sa.Connection) -> Any:
+    """The driver's own connection under ``conn`` (psycopg's; sqlite3's): for these
+    synchronous drivers it is the DBAPI connection itself, an attribute, where SQLAlchemy's
+    ``driver_connection`` is three calls — and every statement of the hot path asks."""
+    return conn.connection.dbapi_connection
+
+
 def in_transaction(conn: sa.Connection) -> bool:
     """Whether ``conn`` is in a transaction: SQLAlchemy's, or one the driver began for a
     statement on its own cursor (:meth:`Store._on_driver`), which SQLAlchemy never saw."""
@@ -329,7 +336,7 @@ def in_transaction(conn: sa.Connection) -> bool:
 def _driver_transaction(conn: sa.Connection) -> bool:
     if conn.dialect.name != "postgresql":
         return False  # SQLite's statements all go through SQLAlchemy
-    driver: Any = conn.connection.driver_connection
+    driver: Any = driver_of(conn)
     return bool(driver is not None and driver.info.transaction_status != IDLE)
 
 
@@ -343,7 +350,7 @@ def commit(conn: sa.Connection) -> None:
     if conn.in_transaction():
         conn.commit()
     elif _driver_transaction(conn):
-        conn.connection.driver_connection.commit()  # type: ignore[union-attr]
+        driver_of(conn).commit()
 
 
 def rollback(conn: sa.Connection) -> None:
@@ -351,7 +358,7 @@ def rollback(conn: sa.Connection) -> None:
     if conn.in_transaction():
         conn.rollback()
     elif _driver_transaction(conn):
-        conn.connection.driver_connection.rollback()  # type: ignore[union-attr]
+        driver_of(conn).rollback()
 
 
 IDLE = 0  # psycopg.pq.TransactionStatus.IDLE (psycopg is not imported: SQLite needs none)
@@ -367,7 +374,7 @@ def is_lost(conn: sa.Connection, exc: BaseException) -> bool:
     """Whether ``exc``, met on ``conn``, means the connection is gone."""
     if connections.is_lost(exc):
         return True
-    driver = conn.connection.driver_connection if is_driver_error(exc) else None
+    driver = driver_of(conn) if is_driver_error(exc) else None
     return bool(getattr(driver, "broken", False) or getattr(driver, "closed", False))
 
 
@@ -387,7 +394,7 @@ def _driver_error(conn: sa.Connection, name: str, exc: Exception) -> Exception:
     of ours) is left as it is."""
     if not type(exc).__module__.startswith("psycopg"):
         return exc
-    driver = conn.connection.driver_connection
+    driver = driver_of(conn)
     broken = getattr(driver, "broken", False) or getattr(driver, "closed", False)
     if broken or connections.is_lost(exc):
         connections.invalidate(conn, exc)

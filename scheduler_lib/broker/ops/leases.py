@@ -153,8 +153,7 @@ def listed(session: sessions.Session, queue: str | None) -> list[Mapping[str, An
 def lease_from_row(row: Sequence[Any], worker: str, duration: float, taken_at: float) -> Lease:
     """A lease from ``take_fast``'s row: the lease id, then the message's columns."""
     lease_id, *message = row
-    columns = dict(zip(models.MESSAGE_COLUMNS[:-1], message, strict=True))
-    taken = poison.message_of(columns)
+    taken = models.Message.from_values([*message, models.MessageStatus.READY])
     return Lease(str(lease_id), taken, worker, duration, taken_at + duration, taken_at)
 
 
