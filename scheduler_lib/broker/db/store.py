@@ -254,7 +254,8 @@ class Store:
         short statements. It still runs on ``conn``'s connection, inside its
         transaction; the text is compiled once per query. Outside autocommit the driver
         begins that transaction itself, unknown to SQLAlchemy: :func:`commit` ends it
-        (SQLAlchemy's begin and commit around it were a sixth of a RECEIVE's client CPU)."""
+        (SQLAlchemy's begin and commit around it were about a fifth of a RECEIVE's client
+        CPU: ``python -m bench.drain_cost``)."""
         sql = self._driver_text(query)
         try:
             with driver_of(conn).cursor() as cursor:
@@ -336,6 +337,10 @@ def in_transaction(conn: sa.Connection) -> bool:
 def _driver_transaction(conn: sa.Connection) -> bool:
     if conn.dialect.name != "postgresql":
         return False  # SQLite's statements all go through SQLAlchemy
+    if conn.invalidated or conn.closed:
+        # Thrown away (a lost connection): its transaction went with it on the server.
+        # (Reading its driver would check a new connection out of the pool.)
+        return False
     driver: Any = driver_of(conn)
     return bool(driver is not None and driver.info.transaction_status != IDLE)
 
