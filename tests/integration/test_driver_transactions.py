@@ -7,11 +7,13 @@ clean for its next transaction."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
+import sqlalchemy as sa
 
-from scheduler_lib.broker import Broker, DatabaseError
+from scheduler_lib.broker import Broker, ConnectionLost, DatabaseError, Transaction
 from scheduler_lib.broker.db import store
 
 pytestmark = pytest.mark.postgres
@@ -53,13 +55,69 @@ def test_a_receive_is_the_drivers_transaction_and_its_commit_keeps_it(broker: Br
         assert [m.body for m in tx.receive("TargetQueue", top=5)] == [b"two"]
 
 
+def _backend(tx: Transaction) -> int:
+    """The server process of the transaction's connection."""
+    return int(tx.session.connection().connection.dbapi_connection.info.backend_pid)
+
+
+def _checkouts(broker: Broker) -> list[object]:
+    """The pool checkouts of the transactions' engine from now on (none while a thread
+    keeps its connection between its transactions)."""
+    seen: list[object] = []
+    sa.event.listen(broker._engine, "checkout", lambda *args: seen.append(args))
+    return seen
+
+
 def test_a_receive_rolled_back_on_the_driver_gives_its_message_back(broker: Broker) -> None:
     _sent(broker, b"one")
     # When the transaction that received it fails
     with pytest.raises(RuntimeError), broker.transaction() as tx:
         assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
+        backend = _backend(tx)
+        checkouts = _checkouts(broker)
         raise RuntimeError("the handler failed")
-    # Then the message is back, and this thread's next transaction takes it
+    # Then the message is back, and this thread's next transaction takes it on the same
+    # connection: the rollback ended the driver's transaction, so the thread kept it
+    # (one still in a transaction goes back to the pool, which rolls it back itself)
+    with broker.transaction() as tx:
+        assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
+        assert _backend(tx) == backend
+    assert checkouts == []  # kept: not from the pool
+
+
+def _kill(broker: Broker, backend: int) -> None:
+    """Terminate a server process from another connection (a restart, for one backend)."""
+    with broker.transaction() as other:
+        other.session.connection().exec_driver_sql(f"SELECT pg_terminate_backend({backend})")
+
+
+def test_a_transaction_whose_connection_was_lost_goes_no_further(broker: Broker) -> None:
+    _sent(broker, b"one", b"two")
+    # Given: a transaction received one message, then its server process was terminated
+    with pytest.raises(ConnectionLost), broker.transaction() as tx:
+        assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
+        _kill(broker, _backend(tx))
+        # When its next RECEIVE meets the dead connection and the caller goes on past it
+        with contextlib.suppress(ConnectionLost):
+            tx.receive("TargetQueue", top=1)
+        # Then nothing more runs in it (not on a new connection, outside it)
+        tx.receive("TargetQueue", top=1)
+    # And both messages are still there, in order
+    with broker.transaction() as tx:
+        assert [m.body for m in tx.receive("TargetQueue", top=5)] == [b"one", b"two"]
+
+
+def test_a_transaction_whose_connection_was_lost_does_not_commit(broker: Broker) -> None:
+    _sent(broker, b"one")
+    # Given: a transaction received the message, then lost its connection, and its
+    # caller went on past the ConnectionLost to the end of the block
+    with pytest.raises(ConnectionLost) as raised, broker.transaction() as tx:
+        assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
+        _kill(broker, _backend(tx))
+        with contextlib.suppress(ConnectionLost):
+            tx.receive("TargetQueue", top=1)
+    # Then its commit says so (no silent success), and the message is back
+    assert "commit" in str(raised.value)
     with broker.transaction() as tx:
         assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
 
@@ -83,13 +141,17 @@ def test_a_commit_the_server_refuses_is_one_line_and_keeps_nothing(
         assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
         conn = tx.session.connection()
         conn.connection.driver_connection.execute("INSERT INTO refused_at_commit VALUES (1)")
+        backend = _backend(tx)
+        checkouts = _checkouts(broker)
         assert not conn.in_transaction()
     # Then the caller is told in one line what the server said, at the commit
     text = str(raised.value)
     assert text.startswith("commit:") and "refused at commit" in text
     assert "\n" not in text.strip()
-    # And nothing of it was kept: the message is back, for this thread's next transaction
+    # And nothing of it was kept: the message is back, for this thread's next transaction,
+    # on the same connection (the failed COMMIT ended the driver's transaction)
     with broker.transaction() as tx:
+        assert _backend(tx) == backend
         assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
         assert (
             tx.session.connection()
@@ -97,3 +159,4 @@ def test_a_commit_the_server_refuses_is_one_line_and_keeps_nothing(
             .scalar()
             == 0
         )
+    assert checkouts == []  # kept: not from the pool

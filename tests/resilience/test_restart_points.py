@@ -34,6 +34,7 @@ from multiproc import poll
 from private_postgres import PrivatePostgres
 
 from scheduler_lib.broker import Broker, ConnectionLost
+from scheduler_lib.broker.db import connections
 from scheduler_lib.broker.db import store as store_module
 from scheduler_lib.broker.db.store import Store
 from scheduler_lib.scheduler import (
@@ -435,7 +436,7 @@ def _is_lost_connection(exc: BaseException | None) -> bool:
     if isinstance(exc, ConnectionLost):
         return True
     if exc is not None and store_module.is_driver_error(exc):
-        return True
+        return connections.is_lost(exc)
     return isinstance(exc, sa.exc.DBAPIError) and type(exc.orig).__module__.startswith("psycopg")
 
 

@@ -178,6 +178,14 @@ class Session:
             # its thread's own, kept between its transactions (connections.Kept: a
             # pool's checkout and checkin each time cost more than a short statement)
             self._connection, self._kept = self.shared.kept.take(engine)
+        elif self._connection.invalidated:
+            # Lost earlier in this transaction, and its caller went on past the
+            # ConnectionLost: what it did went with the connection. SQLAlchemy would hand
+            # out a new one (a transaction of the driver's alone is none it knows of), and
+            # the rest would run, and commit, without the start.
+            raise exceptions.ConnectionLost(
+                "the transaction's connection was lost earlier: roll it back and run it again"
+            )
         if self._engine is None:
             self._enter_gate()
         return self._connection
@@ -397,6 +405,10 @@ class Session:
         """Commit ``conn``'s transaction (SQLAlchemy's or the driver's own), a failure said
         as the broker says it: a lost connection is thrown away and becomes ConnectionLost
         (``committing``: the commit may have happened), any other error DatabaseError."""
+        if conn.invalidated:  # lost earlier in the transaction: nothing is there to commit
+            raise exceptions.ConnectionLost(
+                "commit: the transaction's connection was lost earlier; nothing of it was kept"
+            )
         try:
             store.commit(conn)
         except Exception as exc:
