@@ -342,7 +342,7 @@ def _driver_transaction(conn: sa.Connection) -> bool:
         # (Reading its driver would check a new connection out of the pool.)
         return False
     driver: Any = driver_of(conn)
-    return bool(driver is not None and driver.info.transaction_status != IDLE)
+    return bool(driver is not None and driver.info.transaction_status != connections.IDLE)
 
 
 def commit(conn: sa.Connection) -> None:
@@ -364,9 +364,6 @@ def rollback(conn: sa.Connection) -> None:
         conn.rollback()
     elif _driver_transaction(conn):
         driver_of(conn).rollback()
-
-
-IDLE = 0  # psycopg.pq.TransactionStatus.IDLE (psycopg is not imported: SQLite needs none)
 
 
 def is_driver_error(exc: BaseException) -> bool:
