@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from scheduler_lib.broker import Broker, ConnectionLost, DatabaseError, Transaction
+from scheduler_lib.broker import AlreadyExists, Broker, ConnectionLost, DatabaseError, Transaction
 from scheduler_lib.broker.db import store
 
 pytestmark = pytest.mark.postgres
@@ -160,3 +160,31 @@ def test_a_commit_the_server_refuses_is_one_line_and_keeps_nothing(
             == 0
         )
     assert checkouts == []  # kept: not from the pool
+
+
+REFUSED = "DO $$BEGIN RAISE EXCEPTION 'refused' USING DETAIL = 'the detail', HINT = 'a hint'; END$$"
+DUPLICATE = "CREATE TEMP TABLE twice (id int PRIMARY KEY); INSERT INTO twice VALUES (1), (1)"
+
+
+@pytest.mark.parametrize("sql", [REFUSED, DUPLICATE], ids=["raised", "duplicate"])
+@pytest.mark.parametrize("path", ["driver", "sqlalchemy"])
+def test_a_statement_the_server_refuses_is_said_in_one_line(
+    broker: Broker, sql: str, path: str
+) -> None:
+    # PostgreSQL's errors come with DETAIL, HINT and CONTEXT lines: said as they come, a
+    # command's one-line error would be several
+    with pytest.raises(Exception) as raised, broker.transaction() as tx:
+        conn = tx.session.connection()
+        try:
+            if path == "driver":  # the hot path's statements run on the driver's cursor
+                conn.connection.driver_connection.execute(sql)
+            else:
+                conn.exec_driver_sql(sql)
+        except sa.exc.DBAPIError as exc:
+            raise store.dbapi_error(conn, "the statement", exc) from exc
+        except Exception as exc:
+            raise store._driver_error(conn, "the statement", exc) from exc
+    text = str(raised.value)
+    assert isinstance(raised.value, DatabaseError | AlreadyExists), text
+    assert text.startswith("the statement:") and "\n" not in text, text
+    assert ("the detail" in text) if sql == REFUSED else ("already exists" in text)

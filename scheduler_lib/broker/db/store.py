@@ -318,7 +318,13 @@ def database_error(
                 "nothing of this transaction was written",
                 hint="free space on its disk, then try again",
             )
-    return exceptions.DatabaseError(f"{name}: {exc.orig}")
+    return exceptions.DatabaseError(f"{name}: {one_line(exc.orig)}")
+
+
+def one_line(error: object) -> str:
+    """A driver's error as one line: PostgreSQL's come with DETAIL, HINT and CONTEXT lines
+    (a PL/pgSQL error's CONTEXT names every function it passed through)."""
+    return " ".join(str(error).split())
 
 
 def driver_of(conn: sa.Connection) -> Any:
@@ -384,7 +390,7 @@ def commit_error(conn: sa.Connection, exc: BaseException) -> exceptions.Database
     """A commit that failed on a connection still there, said as :func:`database_error`."""
     if isinstance(exc, sa_exc.DBAPIError):
         return database_error(conn.engine, "commit", exc)
-    return exceptions.DatabaseError("commit: " + " ".join(str(exc).split()))  # one line
+    return exceptions.DatabaseError(f"commit: {one_line(exc)}")
 
 
 def _driver_error(conn: sa.Connection, name: str, exc: Exception) -> Exception:
@@ -404,7 +410,7 @@ def _driver_error(conn: sa.Connection, name: str, exc: Exception) -> Exception:
     state = getattr(exc, "sqlstate", None)
     if state is not None and state.startswith("23"):  # integrity constraint violation
         return _constraint_error(name, exc)
-    return exceptions.DatabaseError(f"{name}: {exc}")
+    return exceptions.DatabaseError(f"{name}: {one_line(exc)}")
 
 
 def _integrity_error(name: str, exc: sa_exc.IntegrityError) -> exceptions.BrokerError:
@@ -414,7 +420,7 @@ def _integrity_error(name: str, exc: sa_exc.IntegrityError) -> exceptions.Broker
 def _constraint_error(name: str, orig: BaseException | None) -> exceptions.BrokerError:
     text = str(orig).lower()
     if "unique" in text or "duplicate key" in text or "primary key" in text:
-        return exceptions.AlreadyExists(f"{name}: already exists ({orig})")
+        return exceptions.AlreadyExists(f"{name}: already exists ({one_line(orig)})")
     if "foreign key" in text:
-        return exceptions.InUse(f"{name}: still referenced ({orig})")
-    return exceptions.DatabaseError(f"{name}: {orig}")
+        return exceptions.InUse(f"{name}: still referenced ({one_line(orig)})")
+    return exceptions.DatabaseError(f"{name}: {one_line(orig)}")

@@ -169,16 +169,10 @@ SELECT sender.message_sequence_number, far.queue_name,
 FROM far, sender, (SELECT count(*) AS n FROM enqueued) AS e,
     (SELECT count(*) AS n FROM completed) AS c;
 
--- name: receive_fast
--- RECEIVE in one round trip from an enabled queue without retention or aging: lock the
--- first group nobody holds and take its first :top messages. No row back: nothing was
--- there, or the queue needs the checked slow path (unknown, disabled, retention, aging).
--- The message rows are read FOR UPDATE: the statement's snapshot predates the group lock,
--- so it still sees the messages that the group's last holder took and committed between
--- the two; a plain read picked them, the DELETE found them gone, and the RECEIVE came back
--- empty with the group's other messages ready (a tenth of the RECEIVEs of four readers on
--- eight conversations). A locking read re-checks each row and moves on past the gone ones.
-WITH grp AS (
+-- fragment: free_group_first
+-- The group of the first ready message of an enabled queue without retention or aging
+-- (the fast RECEIVEs' and take's condition; otherwise no group, and the checked slow path
+-- runs), locked unless another holds it: by level, then fair turn, then arrival.
     SELECT g.conversation_group_id FROM queue_messages m
     JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
     WHERE m.queue_name = :queue AND m.status = 1
@@ -190,10 +184,14 @@ WITH grp AS (
     ORDER BY m.priority DESC, m.fair_at, m.message_id
     LIMIT 1
     FOR UPDATE OF g SKIP LOCKED
-), firsts AS (
-    -- receive_group_firsts: the group's first :top ready rows by level and arrival hold
-    -- the oldest ready message of every conversation served. The group id as a scalar,
-    -- so this walks ix_queue_messages_group, never the queue.
+
+-- fragment: group_served
+-- A locked group's first :top ready messages by conversation: the group's first :top
+-- ready rows by level and arrival hold the oldest ready message of every conversation
+-- served (the group id as a scalar, so this walks ix_queue_messages_group, never the
+-- queue); conversations by level, then the arrival of their oldest ready message, each in
+-- sequence order (one range of ix_queue_messages_conversation).
+firsts AS (
     SELECT m.conversation_handle, m.priority, m.message_id FROM queue_messages m
     WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
     ORDER BY m.priority DESC, m.message_id
@@ -203,8 +201,6 @@ WITH grp AS (
     SELECT conversation_handle, priority, min(message_id) AS arrived
     FROM firsts GROUP BY conversation_handle, priority
 ), picked AS (
-    -- Conversations by level, then the arrival of their oldest ready message, each in
-    -- sequence order (one range of ix_queue_messages_conversation).
     SELECT s.message_id, c.arrived FROM conversations c
     CROSS JOIN LATERAL (
         SELECT m.message_id, m.message_sequence_number FROM queue_messages m
@@ -215,16 +211,34 @@ WITH grp AS (
     ) s
     ORDER BY c.priority DESC, c.arrived, s.message_sequence_number
     LIMIT :top
+
+-- fragment: rollbacks_reset
+-- queue_reset_rollbacks, in the same round trip: writes only after a rollback (taken:
+-- the messages the statement took).
+    UPDATE queues q SET consecutive_rollbacks = 0
+    WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
+    AND EXISTS (SELECT 1 FROM taken)
+
+-- name: receive_fast
+-- RECEIVE in one round trip from an enabled queue without retention or aging: lock the
+-- first group nobody holds and take its first :top messages. No row back: nothing was
+-- there, or the queue needs the checked slow path (unknown, disabled, retention, aging).
+-- The message rows are read FOR UPDATE: the statement's snapshot predates the group lock,
+-- so it still sees the messages that the group's last holder took and committed between
+-- the two; a plain read picked them, the DELETE found them gone, and the RECEIVE came back
+-- empty with the group's other messages ready (a tenth of the RECEIVEs of four readers on
+-- eight conversations). A locking read re-checks each row and moves on past the gone ones.
+WITH grp AS (
+    -- include: free_group_first
+),
+-- include: group_served
 ), taken AS (
     DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
     RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
         m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
         m.service_name, m.service_contract_name, m.enqueued_at, m.status, picked.arrived
 ), reset AS (
-    -- queue_reset_rollbacks, in the same round trip: writes only after a rollback.
-    UPDATE queues q SET consecutive_rollbacks = 0
-    WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
-    AND EXISTS (SELECT 1 FROM taken)
+    -- include: rollbacks_reset
 )
 SELECT queue_name, conversation_group_id, conversation_handle, message_sequence_number,
     message_type_name, message_body, priority, service_name, service_contract_name,
@@ -239,17 +253,7 @@ FROM taken ORDER BY priority DESC, arrived, message_sequence_number;
 -- without the grouping and the sort they cost every message (a fifth more RECEIVEs per
 -- second for four consumers). Rows read FOR UPDATE for the reason receive_fast gives.
 WITH grp AS (
-    SELECT g.conversation_group_id FROM queue_messages m
-    JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
-    WHERE m.queue_name = :queue AND m.status = 1
-    AND EXISTS (
-        SELECT 1 FROM queues q
-        WHERE q.queue_name = :queue AND q.is_receive_enabled AND NOT q.is_retention_enabled
-        AND q.receive_aging_seconds IS NULL
-    )
-    ORDER BY m.priority DESC, m.fair_at, m.message_id
-    LIMIT 1
-    FOR UPDATE OF g SKIP LOCKED
+    -- include: free_group_first
 ), served AS (
     SELECT m.conversation_handle FROM queue_messages m
     WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
@@ -268,10 +272,7 @@ WITH grp AS (
         m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
         m.service_name, m.service_contract_name, m.enqueued_at, m.status
 ), reset AS (
-    -- queue_reset_rollbacks, in the same round trip: writes only after a rollback.
-    UPDATE queues q SET consecutive_rollbacks = 0
-    WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
-    AND EXISTS (SELECT 1 FROM taken)
+    -- include: rollbacks_reset
 )
 SELECT queue_name, conversation_group_id, conversation_handle, message_sequence_number,
     message_type_name, message_body, priority, service_name, service_contract_name,
@@ -363,9 +364,7 @@ WITH grp AS (
         m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
         m.service_name, m.service_contract_name, m.enqueued_at, m.status
 ), reset AS (
-    UPDATE queues q SET consecutive_rollbacks = 0
-    WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
-    AND EXISTS (SELECT 1 FROM taken)
+    -- include: rollbacks_reset
 )
 SELECT * FROM taken ORDER BY message_sequence_number;
 
@@ -375,51 +374,16 @@ SELECT * FROM taken ORDER BY message_sequence_number;
 -- connection whose commits do not wait for the WAL flush (Broker.take(durable=False)).
 -- Message rows read FOR UPDATE, as receive_fast says why.
 WITH grp AS (
-    SELECT g.conversation_group_id FROM queue_messages m
-    JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
-    WHERE m.queue_name = :queue AND m.status = 1
-    AND EXISTS (
-        SELECT 1 FROM queues q
-        WHERE q.queue_name = :queue AND q.is_receive_enabled AND NOT q.is_retention_enabled
-        AND q.receive_aging_seconds IS NULL
-    )
-    ORDER BY m.priority DESC, m.fair_at, m.message_id
-    LIMIT 1
-    FOR UPDATE OF g SKIP LOCKED
-), firsts AS (
-    -- As receive_fast: the group's first :top ready rows by level and arrival hold
-    -- the oldest ready message of every conversation served. The group id as a scalar,
-    -- so this walks ix_queue_messages_group, never the queue.
-    SELECT m.conversation_handle, m.priority, m.message_id FROM queue_messages m
-    WHERE m.conversation_group_id = (SELECT conversation_group_id FROM grp) AND m.status = 1
-    ORDER BY m.priority DESC, m.message_id
-    LIMIT :top
-    FOR UPDATE
-), conversations AS (
-    SELECT conversation_handle, priority, min(message_id) AS arrived
-    FROM firsts GROUP BY conversation_handle, priority
-), picked AS (
-    -- Conversations by level, then the arrival of their oldest ready message, each in
-    -- sequence order (one range of ix_queue_messages_conversation).
-    SELECT s.message_id, c.arrived FROM conversations c
-    CROSS JOIN LATERAL (
-        SELECT m.message_id, m.message_sequence_number FROM queue_messages m
-        WHERE m.conversation_handle = c.conversation_handle AND m.status = 1
-        ORDER BY m.message_sequence_number
-        LIMIT :top
-        FOR UPDATE
-    ) s
-    ORDER BY c.priority DESC, c.arrived, s.message_sequence_number
-    LIMIT :top
+    -- include: free_group_first
+),
+-- include: group_served
 ), taken AS (
     DELETE FROM queue_messages m USING picked WHERE m.message_id = picked.message_id
     RETURNING m.queue_name, m.conversation_group_id, m.conversation_handle,
         m.message_sequence_number, m.message_type_name, m.message_body, m.priority,
         m.service_name, m.service_contract_name, m.enqueued_at, picked.arrived
 ), reset AS (
-    UPDATE queues q SET consecutive_rollbacks = 0
-    WHERE q.queue_name = :queue AND q.consecutive_rollbacks > 0
-    AND EXISTS (SELECT 1 FROM taken)
+    -- include: rollbacks_reset
 )
 INSERT INTO message_leases (
     lease_id, queue_name, conversation_group_id, conversation_handle,
