@@ -54,13 +54,15 @@ def _normal(sql: str) -> str:
 
 
 def statement_names(repo: Path) -> dict[str, str]:
-    """Normalized text -> name, for every ``-- name:`` block of our SQL files."""
+    """Normalized text -> name, for every ``-- name:`` block of our SQL files (their
+    ``-- include:`` lines replaced by the fragments, as the broker loads them)."""
+    from scheduler_lib.broker.db.queries import parse
+
     names: dict[str, str] = {}
     for folder in SQL_FILES:
         for path in sorted((repo / folder).glob("*.sql")):
-            for block in re.split(r"(?m)^-- name: ", path.read_text())[1:]:
-                name, _, body = block.partition("\n")
-                names[_normal(body)] = name.strip()
+            for name, body in parse(path.read_text()).items():
+                names[_normal(body)] = name
     return names
 
 
