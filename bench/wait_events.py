@@ -9,14 +9,19 @@ concurrency) exactly as ``python -m bench.peers --only waves --systems <system>`
 in a process of its own, while a thread here reads ``pg_stat_activity`` as often as it can
 (a sleep of half a millisecond between looks): every client backend of the system's
 databases that is running a statement is one sample of what its statement waits on. A
-backend with no wait event is on the CPU (or about to report its wait). The shares say
+backend with no wait event is on the CPU (or about to report its wait). "Busy per look":
+the busy backends a look found on average (the runs of the systems differ in length, so
+the counts are not compared). The shares say
 where a statement's time inside the server goes: ``IO WALSync`` / ``LWLock WALWrite`` is a
 commit waiting for the WAL to reach the disk (or for another backend's flush of it),
 ``Lock transactionid`` / ``Lock tuple`` a statement queued behind a row that another
 transaction has locked until it commits. Our statements are named after the ``-- name:``
 of our SQL files (``bench.statements_per_task``'s matching; ``+``: another statement rides
-in it), the peers' by their text. The looks cost the server's CPU too (one core of two
-is shared with them), so the shares, not the counts, are the figure.
+in it), the peers' by their text. The server keeps the first ``track_activity_query_size``
+bytes of a statement's text (1024 by default): a longer one is named by the statements
+whose text begins so, ``… (cut)`` — with ``or`` where several do (take_fast and
+receive_fast share their first 1,600 bytes). The looks cost the server's CPU too (one core
+of two is shared with them), so the shares, not the counts, are the figure.
 """
 
 from __future__ import annotations
@@ -51,15 +56,19 @@ def sample(system: str, rounds: int) -> tuple[collections.Counter[tuple[str, str
     seen: collections.Counter[tuple[str, str]] = collections.Counter()
     looks = 0
     done = threading.Event()
+    failed: list[BaseException] = []
 
     def watch() -> None:
         nonlocal looks
-        with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
-            while not done.is_set():
-                for wait, query in conn.execute(LOOK, prepare=True).fetchall():
-                    seen[(query or "", wait)] += 1
-                looks += 1
-                time.sleep(0.0005)
+        try:
+            with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+                while not done.is_set():
+                    for wait, query in conn.execute(LOOK, prepare=True).fetchall():
+                        seen[(query or "", wait)] += 1
+                    looks += 1
+                    time.sleep(0.0005)
+        except BaseException as exc:  # said after the run: no table of nothing
+            failed.append(exc)
 
     watcher = threading.Thread(target=watch, name="wait-events")
     watcher.start()
@@ -70,7 +79,28 @@ def sample(system: str, rounds: int) -> tuple[collections.Counter[tuple[str, str
     finally:
         done.set()
         watcher.join()
+    if failed:
+        raise RuntimeError(f"looking at pg_stat_activity failed: {failed[0]}") from failed[0]
     return seen, looks
+
+
+def named(query: str, names: dict[str, str], cut_at: int) -> str:
+    """Our statement's name; for a text the server cut, every statement it may be."""
+    if len(query.encode()) < cut_at - 1:
+        return label(query, names)
+    text = _normal(query)
+    text = text[: text.rfind(" ")]  # the last word may be cut short
+    begins = sorted({name for known, name in names.items() if known.startswith(text)})
+    return (" or ".join(begins) or label(query, names)) + " … (cut)"
+
+
+def cut_size() -> int:
+    """The bytes of a statement's text the server keeps (``track_activity_query_size``)."""
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT setting::int FROM pg_settings WHERE name = %s", ("track_activity_query_size",)
+        ).fetchone()
+    return int(row[0]) if row else 1024
 
 
 def kind(wait: str) -> str:
@@ -89,6 +119,7 @@ KINDS = ("CPU", "WAL flush", "row lock", "other")
 
 def markdown(results: dict[str, tuple[collections.Counter[tuple[str, str]], int]]) -> str:
     names = statement_names(REPO)
+    cut_at = cut_size()
     at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     systems = ",".join(results)
     lines = [
@@ -99,8 +130,8 @@ def markdown(results: dict[str, tuple[collections.Counter[tuple[str, str]], int]
         "(5 waves x 50 no-op tasks, 4-way concurrency); samples of the busy client "
         "backends, shares of them:",
         "",
-        "| system | looks | busy samples | " + " | ".join(KINDS) + " |",
-        "| --- | ---: | ---: | " + " | ".join("---:" for _ in KINDS) + " |",
+        "| system | looks | busy samples | busy per look | " + " | ".join(KINDS) + " |",
+        "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in KINDS) + " |",
     ]
     for system, (seen, looks) in results.items():
         total = sum(seen.values()) or 1
@@ -108,13 +139,15 @@ def markdown(results: dict[str, tuple[collections.Counter[tuple[str, str]], int]
         for (_, wait), n in seen.items():
             by_kind[kind(wait)] += n
         shares = " | ".join(f"{100 * by_kind[k] / total:.0f}%" for k in KINDS)
-        lines.append(f"| {system} | {looks:,} | {total:,} | {shares} |")
+        per_look = total / max(looks, 1)
+        lines.append(f"| {system} | {looks:,} | {total:,} | {per_look:.2f} | {shares} |")
     for system, (seen, _) in results.items():
         total = sum(seen.values()) or 1
-        named: collections.Counter[tuple[str, str]] = collections.Counter()
+        by_name: collections.Counter[tuple[str, str]] = collections.Counter()
         for (query, wait), n in seen.items():
-            text = label(query, names) if system.startswith("ours") else _normal(query)[:60]
-            named[(text, wait)] += n
+            ours = system.startswith("ours")
+            text = named(query, names, cut_at) if ours else _normal(query)[:60]
+            by_name[(text, wait)] += n
         lines += [
             "",
             f"{system}, the first {TOP} (statement, wait) by share of its busy samples:",
@@ -122,7 +155,7 @@ def markdown(results: dict[str, tuple[collections.Counter[tuple[str, str]], int]
             "| statement | wait | share |",
             "| --- | --- | ---: |",
         ]
-        for (text, wait), n in named.most_common(TOP):
+        for (text, wait), n in by_name.most_common(TOP):
             lines.append(f"| {text.replace('|', '/')} | {wait} | {100 * n / total:.1f}% |")
     return "\n".join(lines) + "\n\n"
 

@@ -122,6 +122,30 @@ def test_a_transaction_whose_connection_was_lost_does_not_commit(broker: Broker)
         assert [m.body for m in tx.receive("TargetQueue", top=1)] == [b"one"]
 
 
+@pytest.mark.parametrize("work", ["end_conversation", "first_send"])
+def test_a_transaction_that_would_wake_waiters_and_lost_its_connection_does_not_commit(
+    broker: Broker, work: str
+) -> None:
+    # A commit wakes the waiters on the queues its checked statements wrote to (a NOTIFY
+    # before its COMMIT): that must not run on a new connection either
+    handle = _sent(broker, b"one")
+    fresh = str(broker.begin_dialog("InitiatorService", "TargetService", "AsyncContract"))
+    # Given: a transaction wrote on the checked path, received, then lost its connection
+    # and its caller went on past the ConnectionLost to the end of the block
+    with pytest.raises(ConnectionLost) as raised, broker.transaction() as tx:
+        if work == "end_conversation":
+            tx.end_conversation(handle)  # EndDialog to the target's queue
+        else:
+            tx.send(fresh, "AsyncSent", b"first")  # makes the target endpoint
+        _kill(broker, _backend(tx))
+        with contextlib.suppress(ConnectionLost):
+            tx.receive("TargetQueue", top=1)
+    # Then its commit says so, and nothing of it was kept
+    assert "commit" in str(raised.value)
+    with broker.transaction() as tx:
+        assert [m.body for m in tx.receive("TargetQueue", top=5)] == [b"one"]
+
+
 def test_a_commit_the_server_refuses_is_one_line_and_keeps_nothing(
     broker: Broker, postgres_url: str
 ) -> None:
@@ -180,6 +204,8 @@ def test_a_statement_the_server_refuses_is_said_in_one_line(
                 conn.connection.driver_connection.execute(sql)
             else:
                 conn.exec_driver_sql(sql)
+        except sa.exc.IntegrityError as exc:  # as Store.execute says a constraint's
+            raise store._integrity_error("the statement", exc) from exc
         except sa.exc.DBAPIError as exc:
             raise store.dbapi_error(conn, "the statement", exc) from exc
         except Exception as exc:
@@ -187,4 +213,7 @@ def test_a_statement_the_server_refuses_is_said_in_one_line(
     text = str(raised.value)
     assert isinstance(raised.value, DatabaseError | AlreadyExists), text
     assert text.startswith("the statement:") and "\n" not in text, text
-    assert ("the detail" in text) if sql == REFUSED else ("already exists" in text)
+    if sql == REFUSED:
+        assert "the detail" in text and "a hint" in text
+    else:  # said as AlreadyExists, on both paths
+        assert isinstance(raised.value, AlreadyExists) and "Key (id)=(1)" in text

@@ -294,6 +294,9 @@ class Session:
             return
         failed = False
         try:
+            # Lost earlier in the transaction: its wake-ups must not run either (on a
+            # new connection, or refused by SQLAlchemy as a pending rollback)
+            self._refuse_lost(conn)
             for queue in sorted(self._touched_queues - self._notified_queues):
                 self.store.execute(conn, "queue_notify", name=queue)
             if self._transmitted and self.store.features.notifies:
@@ -401,14 +404,18 @@ class Session:
             self._leave_gate()
 
     @staticmethod
-    def _commit_on(conn: sa.Connection, *, committing: bool) -> None:
-        """Commit ``conn``'s transaction (SQLAlchemy's or the driver's own), a failure said
-        as the broker says it: a lost connection is thrown away and becomes ConnectionLost
-        (``committing``: the commit may have happened), any other error DatabaseError."""
+    def _refuse_lost(conn: sa.Connection) -> None:
         if conn.invalidated:  # lost earlier in the transaction: nothing is there to commit
             raise exceptions.ConnectionLost(
                 "commit: the transaction's connection was lost earlier; nothing of it was kept"
             )
+
+    @staticmethod
+    def _commit_on(conn: sa.Connection, *, committing: bool) -> None:
+        """Commit ``conn``'s transaction (SQLAlchemy's or the driver's own), a failure said
+        as the broker says it: a lost connection is thrown away and becomes ConnectionLost
+        (``committing``: the commit may have happened), any other error DatabaseError."""
+        Session._refuse_lost(conn)
         try:
             store.commit(conn)
         except Exception as exc:

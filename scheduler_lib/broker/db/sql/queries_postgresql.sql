@@ -171,8 +171,9 @@ FROM far, sender, (SELECT count(*) AS n FROM enqueued) AS e,
 
 -- fragment: free_group_first
 -- The group of the first ready message of an enabled queue without retention or aging
--- (the fast RECEIVEs' and take's condition; otherwise no group, and the checked slow path
--- runs), locked unless another holds it: by level, then fair turn, then arrival.
+-- (receive_fast's, receive_fast_one's and take_fast's condition; otherwise no group, and
+-- the checked slow path runs), locked unless another holds it: by level, then fair turn,
+-- then arrival.
     SELECT g.conversation_group_id FROM queue_messages m
     JOIN conversation_groups g ON g.conversation_group_id = m.conversation_group_id
     WHERE m.queue_name = :queue AND m.status = 1
