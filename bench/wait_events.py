@@ -10,8 +10,9 @@ in a process of its own, while a thread here reads ``pg_stat_activity`` as often
 (a sleep of half a millisecond between looks): every client backend of the system's
 databases that is running a statement is one sample of what its statement waits on. A
 backend with no wait event is on the CPU (or about to report its wait). "Busy per look":
-the busy backends a look found on average (the runs of the systems differ in length, so
-the counts are not compared). The shares say
+the busy backends a look found on average (the runs of the systems differ in length, and
+the looks also cover each run's start-up, when nothing is busy: a rough figure, the counts
+not compared at all). The shares say
 where a statement's time inside the server goes: ``IO WALSync`` / ``LWLock WALWrite`` is a
 commit waiting for the WAL to reach the disk (or for another backend's flush of it),
 ``Lock transactionid`` / ``Lock tuple`` a statement queued behind a row that another
@@ -86,10 +87,12 @@ def sample(system: str, rounds: int) -> tuple[collections.Counter[tuple[str, str
 
 def named(query: str, names: dict[str, str], cut_at: int) -> str:
     """Our statement's name; for a text the server cut, every statement it may be."""
-    if len(query.encode()) < cut_at - 1:
+    if not query:
+        return "(no text)"
+    # (the server cuts at a character's boundary: up to 3 bytes short of its size)
+    if len(query.encode()) < cut_at - 4:
         return label(query, names)
-    text = _normal(query)
-    text = text[: text.rfind(" ")]  # the last word may be cut short
+    text = _normal(query).rsplit(" ", 1)[0]  # the last word may be cut short
     begins = sorted({name for known, name in names.items() if known.startswith(text)})
     return (" or ".join(begins) or label(query, names)) + " … (cut)"
 
@@ -134,11 +137,11 @@ def markdown(results: dict[str, tuple[collections.Counter[tuple[str, str]], int]
         "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in KINDS) + " |",
     ]
     for system, (seen, looks) in results.items():
-        total = sum(seen.values()) or 1
+        total = sum(seen.values())
         by_kind = collections.Counter()
         for (_, wait), n in seen.items():
             by_kind[kind(wait)] += n
-        shares = " | ".join(f"{100 * by_kind[k] / total:.0f}%" for k in KINDS)
+        shares = " | ".join(f"{100 * by_kind[k] / max(total, 1):.0f}%" for k in KINDS)
         per_look = total / max(looks, 1)
         lines.append(f"| {system} | {looks:,} | {total:,} | {per_look:.2f} | {shares} |")
     for system, (seen, _) in results.items():
@@ -146,7 +149,7 @@ def markdown(results: dict[str, tuple[collections.Counter[tuple[str, str]], int]
         by_name: collections.Counter[tuple[str, str]] = collections.Counter()
         for (query, wait), n in seen.items():
             ours = system.startswith("ours")
-            text = named(query, names, cut_at) if ours else _normal(query)[:60]
+            text = named(query, names, cut_at) if ours else _normal(query)[:60] or "(no text)"
             by_name[(text, wait)] += n
         lines += [
             "",

@@ -88,7 +88,8 @@ def test_a_receive_rolled_back_on_the_driver_gives_its_message_back(broker: Brok
 def _kill(broker: Broker, backend: int) -> None:
     """Terminate a server process from another connection (a restart, for one backend)."""
     with broker.transaction() as other:
-        other.session.connection().exec_driver_sql(f"SELECT pg_terminate_backend({backend})")
+        # (waiting up to 5 s for it to end: the next statement meets a dead connection)
+        other.session.connection().exec_driver_sql(f"SELECT pg_terminate_backend({backend}, 5000)")
 
 
 def test_a_transaction_whose_connection_was_lost_goes_no_further(broker: Broker) -> None:
@@ -127,11 +128,13 @@ def test_a_transaction_that_would_wake_waiters_and_lost_its_connection_does_not_
     broker: Broker, work: str
 ) -> None:
     # A commit wakes the waiters on the queues its checked statements wrote to (a NOTIFY
-    # before its COMMIT): that must not run on a new connection either
+    # before its COMMIT): that must not run on a new connection either. (EndDialog goes
+    # the checked way; a conversation's first SEND is one statement that notifies
+    # itself: a guard that the commit refuses it all the same.)
     handle = _sent(broker, b"one")
     fresh = str(broker.begin_dialog("InitiatorService", "TargetService", "AsyncContract"))
-    # Given: a transaction wrote on the checked path, received, then lost its connection
-    # and its caller went on past the ConnectionLost to the end of the block
+    # Given: a transaction wrote, then lost its connection, and its caller went on past
+    # the ConnectionLost of its next statement to the end of the block
     with pytest.raises(ConnectionLost) as raised, broker.transaction() as tx:
         if work == "end_conversation":
             tx.end_conversation(handle)  # EndDialog to the target's queue
