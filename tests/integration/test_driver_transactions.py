@@ -116,6 +116,7 @@ def test_a_transaction_whose_connection_was_lost_does_not_commit(broker: Broker,
     # itself: a guard that the commit refuses it all the same.)
     handle = _sent(broker, b"one")
     fresh = str(broker.begin_dialog("InitiatorService", "TargetService", "AsyncContract"))
+    arrivals = broker.arrivals("TargetQueue")
     # Given: a transaction received or wrote, then lost its connection, and its caller
     # went on past the ConnectionLost of its next statement to the end of the block
     with pytest.raises(ConnectionLost) as raised, broker.transaction() as tx:
@@ -130,6 +131,10 @@ def test_a_transaction_whose_connection_was_lost_does_not_commit(broker: Broker,
             tx.receive("TargetQueue", top=1)
     # Then its commit says so, and nothing of it was kept: the message is back, alone
     assert "commit" in str(raised.value)
+    if work == "receive":
+        # and this process's readers waiting on its queue are woken to take it at once
+        # (no NOTIFY announces a rollback; they would wait for their next poll)
+        assert broker.arrivals("TargetQueue") > arrivals
     with broker.transaction() as tx:
         assert [m.body for m in tx.receive("TargetQueue", top=5)] == [b"one"]
 

@@ -305,7 +305,12 @@ class Session:
             # One that only read did nothing either way.
             self._commit_on(conn, committing=self._wrote)
         except BaseException as exc:
-            failed = not isinstance(exc, exceptions.ConnectionLost)
+            # A commit that failed rolled back: counted like one, unless the connection
+            # was lost (not the messages' fault) — its RECEIVEs' messages are back on
+            # their queues then too (or, lost during COMMIT, maybe taken): this
+            # process's readers of them look again at once either way.
+            failed = True
+            self._lost = self._lost or isinstance(exc, exceptions.ConnectionLost)
             with contextlib.suppress(Exception):  # a lost connection has nothing to undo
                 store.rollback(conn)
             raise
@@ -315,7 +320,7 @@ class Session:
             finally:
                 self._connection = None
                 self._leave_gate()
-                if failed:  # a commit that failed rolled back: count it like one
+                if failed:
                     self._after_rollback()
         if self._tally:
             counters.add(self._tally)
