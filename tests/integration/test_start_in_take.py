@@ -227,3 +227,38 @@ def _literal(value: Any) -> str:
     if value is None:
         return "NULL"
     return f"'{value}'" if isinstance(value, str) else repr(value)
+
+
+def test_takes_leave_no_warning_in_the_servers_log(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every WARNING the server writes to its log reaches the client too: gather them on
+    # every connection opened from now on (a COMMIT outside a transaction block, say,
+    # logs "there is no transaction in progress" — once per take, it filled the log)
+    import psycopg
+
+    warned: list[str] = []
+    connect = psycopg.connect
+
+    def connecting(*args: Any, **kwargs: Any) -> Any:
+        conn = connect(*args, **kwargs)
+        conn.add_notice_handler(lambda d: warned.append(f"{d.severity}: {d.message_primary}"))
+        return conn
+
+    monkeypatch.setattr(psycopg, "connect", connecting)
+    with Broker(postgres_url, timers=False) as broker:
+        init(broker, targets=[Target(activation=False)])
+        scheduler = TaskScheduler(broker)
+        handle = scheduler.get_scheduler()
+        tasks = [Task.python("builtins:abs", -n) for n in range(3)]
+        log_ids = scheduler.exec_many(handle, tasks)
+        executor = Executor(broker, QUEUE, idle_timeout=1)
+        # When the executor takes and runs them, each start recorded in its take
+        for _ in log_ids:
+            assert executor.run_one(timeout=5)
+        for _ in log_ids:
+            assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+        rows = [broker.fetch("log_get", log_id=i)[0] for i in log_ids]
+        assert [(r["status"], r["attempts"]) for r in rows] == [("SUCCEEDED", 1)] * 3
+    # Then the server warned of nothing
+    assert [w for w in warned if not w.startswith(("NOTICE", "DEBUG", "LOG", "INFO"))] == []

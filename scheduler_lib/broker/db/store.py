@@ -6,6 +6,7 @@ named queries from ``sql/queries*.sql``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -208,9 +209,13 @@ class Store:
         try:
             try:
                 with driver.pipeline():
-                    took.execute(self._driver_text(take[0]), take[1])
                     # Statements up to the pipeline's sync share one transaction unless
-                    # told otherwise: end the take's here, without the flush.
+                    # told otherwise: the take's is a block of its own, ended here without
+                    # the flush. (A COMMIT of the implicit one would do too, with a
+                    # WARNING "there is no transaction in progress" in the server's log
+                    # at every take.)
+                    driver.execute("BEGIN")
+                    took.execute(self._driver_text(take[0]), take[1])
                     driver.execute("COMMIT")
                     driver.execute("BEGIN")
                     if durable:
@@ -227,6 +232,8 @@ class Store:
                     or result is None
                     or result.status != TUPLES_OK
                 ):
+                    if not isinstance(error, exceptions.ConnectionLost):
+                        _leave_failed_block(driver)  # the take's, which failed
                     raise error from exc
             # The take committed; what follows it was undone: leave its transaction.
             try:
@@ -391,6 +398,14 @@ def commit_error(conn: sa.Connection, exc: BaseException) -> exceptions.Database
     if isinstance(exc, sa_exc.DBAPIError):
         return database_error(conn.engine, "commit", exc)
     return exceptions.DatabaseError(f"commit: {one_line(exc)}")
+
+
+def _leave_failed_block(driver: Any) -> None:
+    """End the driver's transaction block that a failed statement left open (the
+    connection is then idle again, as the pipeline's implicit transaction would be)."""
+    if driver.info.transaction_status != connections.IDLE:
+        with contextlib.suppress(Exception):  # gone with the connection: nothing to end
+            driver.execute("ROLLBACK")
 
 
 def _driver_error(conn: sa.Connection, name: str, exc: Exception) -> Exception:
