@@ -262,3 +262,32 @@ def test_takes_leave_no_warning_in_the_servers_log(
         assert [(r["status"], r["attempts"]) for r in rows] == [("SUCCEEDED", 1)] * 3
     # Then the server warned of nothing
     assert [w for w in warned if not w.startswith(("NOTICE", "DEBUG", "LOG", "INFO"))] == []
+
+
+def test_a_take_that_fails_is_said_and_the_next_one_runs_the_task(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from scheduler_lib.broker import DatabaseError
+
+    scheduler = TaskScheduler(broker)
+    handle = scheduler.get_scheduler()
+    log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -6))
+    executor = Executor(broker, QUEUE, idle_timeout=1)
+    # Given the take's statement fails on the server (inside its own transaction block)
+    text = Store._driver_text
+
+    def failing(self: Store, query: str) -> str:
+        if query == "take_fast":
+            return "SELECT CAST(%(queue)s AS integer)"
+        return text(self, query)
+
+    monkeypatch.setattr(Store, "_driver_text", failing)
+    with pytest.raises(DatabaseError, match="take_fast"):
+        executor.run_one(timeout=0)
+    # Then nothing was taken, and once it works the next take runs the task, once
+    monkeypatch.setattr(Store, "_driver_text", text)
+    assert broker.leases() == []
+    assert executor.run_one(timeout=5)
+    (row,) = broker.fetch("log_get", log_id=log_id)
+    assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "6")
+    assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"

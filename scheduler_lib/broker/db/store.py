@@ -6,7 +6,6 @@ named queries from ``sql/queries*.sql``.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -232,8 +231,7 @@ class Store:
                     or result is None
                     or result.status != TUPLES_OK
                 ):
-                    if not isinstance(error, exceptions.ConnectionLost):
-                        _leave_failed_block(driver)  # the take's, which failed
+                    # (the take's block, failed, is ended by its session's rollback)
                     raise error from exc
             # The take committed; what follows it was undone: leave its transaction.
             try:
@@ -398,14 +396,6 @@ def commit_error(conn: sa.Connection, exc: BaseException) -> exceptions.Database
     if isinstance(exc, sa_exc.DBAPIError):
         return database_error(conn.engine, "commit", exc)
     return exceptions.DatabaseError(f"commit: {one_line(exc)}")
-
-
-def _leave_failed_block(driver: Any) -> None:
-    """End the driver's transaction block that a failed statement left open (the
-    connection is then idle again, as the pipeline's implicit transaction would be)."""
-    if driver.info.transaction_status != connections.IDLE:
-        with contextlib.suppress(Exception):  # gone with the connection: nothing to end
-            driver.execute("ROLLBACK")
 
 
 def _driver_error(conn: sa.Connection, name: str, exc: Exception) -> Exception:
