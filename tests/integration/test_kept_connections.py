@@ -209,3 +209,25 @@ def test_a_connection_is_kept_only_when_its_transaction_is_over() -> None:
     assert connections._idle(Conn())  # type: ignore[arg-type]
     Info.transaction_status = 2  # INTRANS
     assert not connections._idle(Conn())  # type: ignore[arg-type]
+
+
+def test_a_statement_is_prepared_at_its_second_execution(catalogued: Broker) -> None:
+    """The broker's statements run prepared from their second execution on a connection
+    (``engine.PREPARE_THRESHOLD``), not from psycopg's sixth: the costly ones are not parsed
+    and planned anew while a new connection (every reader has its own) warms up; a script
+    of several statements still runs (it cannot be prepared)."""
+    broker = catalogued
+    handle = _dialog(broker)
+    with broker.transaction() as tx:
+        driver = tx.session.connection().connection.driver_connection
+        assert driver is not None
+        tx.send(handle, "AsyncSent", b"one")
+        tx.send(handle, "AsyncSent", b"two")
+        for _ in range(2):
+            driver.execute("SELECT 1; SELECT 2")
+        prepared = [
+            row[0]
+            for row in driver.execute("SELECT statement FROM pg_prepared_statements").fetchall()
+        ]
+    assert any("INSERT INTO queue_messages" in text for text in prepared), prepared
+    assert _drained(broker, 2) == [b"one", b"two"]

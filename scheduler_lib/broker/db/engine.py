@@ -15,6 +15,14 @@ DEFAULT_URL = "sqlite:///scheduler_lib.db"
 SQLITE_BUSY_TIMEOUT = 60  # seconds a writer waits for SQLite's write lock
 POOL_SIZE = 10  # connections kept per process on PostgreSQL
 POSTGRESQL_CONNECT_TIMEOUT = 10  # seconds one connection attempt may take
+# psycopg prepares a statement on a connection at its second execution, not its sixth (its
+# default threshold, 5): the broker runs a small fixed set of named statements, each on
+# every connection of every reader, and psycopg forgets them all at a ROLLBACK (a
+# receive that waits, a failed transaction), so with the default the costly statements
+# ran parsed and planned anew for most of a benchmark's first run. Not at the first: a
+# string of several statements (a script) cannot be prepared, and psycopg learns that
+# from its first execution, made unprepared.
+PREPARE_THRESHOLD = 1
 
 
 _PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
@@ -112,7 +120,13 @@ def create_engine(url: str | URL, *, read_only: bool = False, **kwargs: Any) -> 
     engine = sa.create_engine(parsed, connect_args=connect_args, **kwargs)
     sa.event.listen(engine, "checkout", _closed_while_idle)
     sa.event.listen(engine, "connect", _arrays_in_binary)
+    sa.event.listen(engine, "connect", _prepared_at_once)
     return engine
+
+
+def _prepared_at_once(dbapi_connection: Any, _record: Any) -> None:
+    """Prepare every statement at its second execution (:data:`PREPARE_THRESHOLD`)."""
+    dbapi_connection.prepare_threshold = PREPARE_THRESHOLD
 
 
 def _arrays_in_binary(dbapi_connection: Any, _record: Any) -> None:
