@@ -54,6 +54,7 @@ from scheduler_lib.broker.models import (
     SentBy,
     Validation,
 )
+from scheduler_lib.broker.ops.sending import SendAfter
 from scheduler_lib.broker.routes import LOCAL, Route
 
 __all__ = [
@@ -92,6 +93,7 @@ __all__ = [
     "QueueInfo",
     "QueueNotFound",
     "Route",
+    "SendAfter",
     "SentBy",
     "ServiceContractMismatch",
     "ServiceNotFound",

@@ -72,6 +72,7 @@ class ConversationOperations:
         *,
         completing: leases.Lease | None = None,
         before: tuple[str, Mapping[str, Any]] | None = None,
+        after: sending.SendAfter | None = None,
     ) -> int:
         """SEND ON CONVERSATION.
 
@@ -89,6 +90,11 @@ class ConversationOperations:
             :class:`ConnectionLost` with ``committing`` set, as the row can tell whether
             it went); another statement runs first in the same round trip, in a
             transaction
+        :param after: with ``before``, a named ``UPDATE`` that rides at the end of that one
+            statement too, written only with the message; ``after.rows`` is then the rows
+            it changed, and stays ``None`` where it did not run (not on the broker itself,
+            another dialect, a statement that cannot ride, the checked path): the caller
+            runs it
         :return: the message's sequence number in the conversation
         :raises LeaseLost: when ``completing`` expired or ended meanwhile (roll back)
         :raises ConnectionLost: with ``committing`` set, when on the broker itself (not in
@@ -112,7 +118,7 @@ class ConversationOperations:
             # ``before`` inside the SEND's one statement, where it can ride there: a
             # transaction of its own, in one round trip (with the lease's end: a lost
             # lease writes nothing, and the transaction's way below says so)
-            seq = self._send_riding(handle, message_type, body, before, completing)
+            seq = self._send_riding(handle, message_type, body, before, completing, after)
             if seq is not None:
                 return seq
         if completing is not None or before is not None:
@@ -161,6 +167,7 @@ class ConversationOperations:
         body: checks.Body,
         before: sending.Before,
         completing: leases.Lease | None,
+        after: sending.SendAfter | None = None,
     ) -> int | None:
         """SEND with ``before`` inside its one statement (``Store.riding``), in autocommit
         on the broker itself, ending ``completing`` with it; ``None``: nothing was
@@ -175,7 +182,7 @@ class ConversationOperations:
             sending.known_validation(session, message_type)  # a read: tried again too
             try:
                 lease_id = None if completing is None else completing.lease_id
-                seq, _ = sending.fast(session, handle, message_type, data, lease_id, before)
+                seq, _ = sending.fast(session, handle, message_type, data, lease_id, before, after)
             except exceptions.ConnectionLost as exc:
                 # the message and the row may both be there: the caller can tell (by
                 # the row)

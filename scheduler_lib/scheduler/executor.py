@@ -2,7 +2,8 @@
 ``ActivationAsyncTarget``).
 
 Each task is taken under a lease in one short statement, and its ``execution_log``
-start (who and when) is committed durably — on PostgreSQL in the take's round trip; it
+start (who and when) is committed durably — on PostgreSQL in the take's round trip, or,
+for a task taken ahead, in the answer of the task before it on the same reader; it
 runs with no transaction open while the lease is renewed; its end, status, error and
 result are written in the transaction that answers ``AsyncDone`` and completes the
 lease. Errors are results: a task that raises answers ``FAILED`` with the error. A worker
@@ -36,6 +37,7 @@ from scheduler_lib.broker import (
     DatabaseUnavailable,
     InvalidArgument,
     LeaseLost,
+    SendAfter,
     SentBy,
     Transaction,
     activation,
@@ -63,6 +65,15 @@ RESULT_LIMIT = 64 * 1024  # characters of a task's result kept
 Started = tuple[int, Task, "Origin | None", "Mapping[str, Any] | None"]
 
 SUCCEEDED, FAILED, CANCELLED = "SUCCEEDED", "FAILED", "CANCELLED"
+
+
+class _Next(NamedTuple):
+    """The held task a reader runs next, reserved for it at the answer of the task before
+    (whose statement recorded its start, where it could: ``started``)."""
+
+    lease: Lease
+    at: float  # its start instant (time.time())
+    started: bool
 
 
 class _Targets(NamedTuple):
@@ -130,6 +141,8 @@ class Executor:
         self._cancels = CancelWatcher.of(broker)
         self._targets: _Targets | None = None
         self._remote: dict[str, bool] = {}  # conversation handle -> from another broker
+        self._next: _Next | None = None  # what this reader runs next (_next_start)
+        self._stop: threading.Event | None = None  # serve()'s
 
     def serve(self, stop: threading.Event | None = None) -> int:
         """Run tasks until idle for ``idle_timeout``, the activation runtime stops, or
@@ -137,9 +150,17 @@ class Executor:
 
         :return: how many messages were handled
         """
+        self._stop = stop
         try:
             return self._serve(stop)
         finally:
+            nxt, self._next = self._next, None
+            if nxt is not None and not self.broker.closed:
+                # Reserved and not run (the reader ends on an error): back to its queue
+                try:
+                    self.broker.release(nxt.lease)
+                except Exception:  # what went wrong is said; its lease expires anyway
+                    log.exception("giving back the next task of %s failed", self.queue)
             stopping = activation.stopping() or (stop is not None and stop.is_set())
             if stopping and not self.broker.closed:
                 # What this process took ahead goes back for others (its readers stop).
@@ -151,14 +172,17 @@ class Executor:
     def _serve(self, stop: threading.Event | None) -> int:
         handled = 0
         idle_since = time.monotonic()
-        while not activation.stopping() and not (stop is not None and stop.is_set()):
+        # A task reserved for this reader (started, maybe) runs before it stops
+        while self._next is not None or not (
+            activation.stopping() or (stop is not None and stop.is_set())
+        ):
             if self.broker.closed:  # nothing can be done any more
                 return handled
             left = self.idle_timeout - (time.monotonic() - idle_since)
-            if left <= 0:
+            if left <= 0 and self._next is None:
                 return handled
             try:
-                took = self.run_one(timeout=min(POLL, left))
+                took = self.run_one(timeout=min(POLL, max(left, 0)))
             except (DatabaseError, LeaseLost) as exc:
                 # The database went away (past the reconnect deadline, or mid-commit):
                 # this reader stays and keeps trying (its calls back off); an outage is
@@ -180,8 +204,13 @@ class Executor:
         # task runs (a crash before that puts the message back: nothing ran).
         recorded: frozenset[str] = frozenset()  # leases whose start the take recorded
         started_at: float | None = None  # a held task's start instant
-        held = self._prefetched.pop()
-        if held is not None:  # taken ahead by this process: started now
+        nxt, self._next = self._next, None
+        held = None if nxt is not None else self._prefetched.pop()
+        if nxt is not None:  # reserved at the last answer, which may have started it
+            leases, started_at = [nxt.lease], nxt.at
+            if nxt.started:
+                recorded = frozenset({nxt.lease.lease_id})
+        elif held is not None:  # taken ahead by this process: started now
             leases, started_at = [held], time.time()
         elif self.spark_application is None and self.broker.features.one_statement_take:
             # PostgreSQL: that start is a second transaction in the take's round trip,
@@ -534,7 +563,12 @@ class Executor:
         ended_at = time.time()
 
         def commit_outcome() -> None:
-            def answer_on(on: Transaction | Broker, *, released_raises: bool = False) -> None:
+            def answer_on(
+                on: Transaction | Broker,
+                *,
+                released_raises: bool = False,
+                after: SendAfter | None = None,
+            ) -> None:
                 self._answer(
                     on,
                     lease.message,
@@ -546,6 +580,7 @@ class Executor:
                     completing=lease,
                     before=("log_finish", {"now": ended_at, **finish}),
                     released_raises=released_raises,
+                    after=after,
                 )
 
             if self.broker.features.one_statement_send:
@@ -554,8 +589,12 @@ class Executor:
                 # scheduler's endpoint, which every reader answers on, locked for no
                 # longer (a lost lease writes nothing: LeaseLost). A scheduler released
                 # meanwhile: the transaction below ends the row and the lease, no answer.
+                # The start of the task this reader runs next rides at its end.
+                after = self._next_start()
                 try:
-                    answer_on(self.broker, released_raises=True)
+                    answer_on(self.broker, released_raises=True, after=after)
+                    if after is not None and after.rows and self._next is not None:
+                        self._next = self._next._replace(started=True)
                     return
                 except (ConversationNotFound, ConversationStateError):
                     pass
@@ -586,6 +625,45 @@ class Executor:
                 self.broker.run("log_finish", now=ended_at, **finish)
         if interrupted is not None:
             raise interrupted
+
+    def _next_start(self) -> SendAfter | None:
+        """The start of the task this reader runs next, to ride in the answer of the one
+        it ran (one round trip and one durable commit fewer per held task): the oldest
+        task this process holds, reserved for this reader now (it runs it next, started or
+        not). ``None`` — its start is recorded when it runs, as without — when one is
+        reserved already (an answer tried again), nothing is held, the reader is stopping
+        (what is held goes back), on Spark (the start names the job group), or when it is
+        no task of this broker's (an end of dialog, a copy from another broker, a bad
+        body: its start says what it is)."""
+        stopping = activation.stopping() or (self._stop is not None and self._stop.is_set())
+        if self._next is not None or self.spark_application is not None or stopping:
+            return None
+        lease = self._prefetched.pop()
+        if lease is None:
+            return None
+        self._next = _Next(lease, time.time(), False)
+        message = lease.message
+        if message.message_type_name in (END_DIALOG, ERROR):
+            return None
+        try:
+            if self._is_remote(message.conversation_handle):
+                return None
+            log_id = int(message.json()["log_id"])
+        except Exception:  # (a read the start makes again, a body it refuses)
+            return None
+        return SendAfter(
+            "log_start",
+            {
+                "lease_id": lease.lease_id,
+                "log_id": log_id,
+                "worker": self.worker(),
+                "activated_task_id": activation.current_reader(),
+                "application_id": None,
+                "job_group": None,
+                "ui_url": None,
+                "now": self._next.at,
+            },
+        )
 
     def _commit_outcome(self, log_id: int, commit: Callable[[], None]) -> None:
         """Commit a finished task's outcome (its row's end, its answer, its lease's end:
@@ -643,6 +721,7 @@ class Executor:
         completing: Lease | None = None,
         before: tuple[str, Mapping[str, Any]] | None = None,
         released_raises: bool = False,
+        after: SendAfter | None = None,
     ) -> None:
         extra = None
         if origin is not None:  # the initiator completes its own row from the answer
@@ -660,6 +739,7 @@ class Executor:
             completing=completing,
             before=before,
             released_raises=released_raises,
+            after=after,
         )
 
 
@@ -676,6 +756,7 @@ def answer(
     completing: Lease | None = None,
     before: tuple[str, Mapping[str, Any]] | None = None,
     released_raises: bool = False,
+    after: SendAfter | None = None,
 ) -> None:
     """Send ``AsyncDone`` (the contract's target-sent type) on the scheduler's
     conversation, in the transaction ``on`` (or, given the broker, in one of its own);
@@ -684,7 +765,8 @@ def answer(
     with it for an initiator on another broker (who ran it, when); ``completing`` is
     the task's lease, which ends with the answer; ``before`` (a named statement and its
     binds) is written with it, in the same round trip on PostgreSQL — and, in a
-    transaction, stays done when the scheduler was released.
+    transaction, stays done when the scheduler was released; ``after`` rides at the end
+    of the SEND's statement where it can (``Broker.send``).
 
     :raises LeaseLost: when ``completing`` was gone (roll back: no answer)
     """
@@ -693,7 +775,7 @@ def answer(
         {"log_id": log_id, "status": status, "error": error, "result": result, **(extra or {})}
     )
     try:  # these are raised by the broker's own checks: the transaction stays usable
-        on.send(handle, done, body, completing=completing, before=before)
+        on.send(handle, done, body, completing=completing, before=before, after=after)
     except (ConversationNotFound, ConversationStateError):
         if released_raises:
             raise

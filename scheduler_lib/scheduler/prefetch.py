@@ -8,8 +8,10 @@ to ``prefetch`` tasks at once: it runs the first (whose start the take recorded)
 leaves the others here, under their leases (renewed by the broker's lease keeper), for
 the next reader of this process that looks for work — its own next look, or a sibling's.
 A task held here is ``QUEUED`` in its row: its start is recorded, durably, when it runs,
-as every start is (``Executor._start``), so the execution status never shows a task
-running before it does, and a task cancelled meanwhile is answered, not run.
+as every start is (``Executor._start``) — on PostgreSQL in the answer of the task the
+reader ran before it, which takes it from here first (``Executor._next_start``) — so the
+execution status shows a task running at most one round trip before it does, and a task
+cancelled meanwhile is answered, not run.
 
 What it costs, and its bounds:
 

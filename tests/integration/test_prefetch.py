@@ -234,22 +234,97 @@ def test_a_stopping_reader_gives_back_what_it_holds(
 def test_a_task_cancelled_while_held_is_answered_not_run(
     broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    scheduler, executor, handle, (first, *held) = _short_wave(broker, monkeypatch, 4)
-    # Given one take got the four tasks: the first ran, three are held
+    scheduler, executor, handle, (first, nxt, *held) = _short_wave(broker, monkeypatch, 4)
+    # Given one take got the four tasks: the first ran, and its answer started the next
+    # (this reader runs it next), two are held
     assert executor.run_one(timeout=5)
-    assert _statuses(broker, held) == dict.fromkeys(held, "QUEUED")
+    assert _statuses(broker, [nxt, *held]) == {nxt: "RUNNING", **dict.fromkeys(held, "QUEUED")}
     assert broker.peek(QUEUE) == []
     # When the scheduler's queued tasks are cancelled, and the reader looks for work
     assert scheduler.cancel_queued(handle, reason="not wanted") == len(held)
-    for _ in held:
+    for _ in [nxt, *held]:
         assert executor.run_one(timeout=5)
-    # Then each held task was answered CANCELLED and never started
+    # Then the started one ran, and each held one was answered CANCELLED, never started
     scheduler.synchronization(handle, timeout=5)
     rows = [broker.fetch("log_get", log_id=i)[0] for i in held]
     assert [(r["status"], r["attempts"]) for r in rows] == [("CANCELLED", 0)] * len(held)
-    (row,) = broker.fetch("log_get", log_id=first)
-    assert (row["status"], row["attempts"]) == ("SUCCEEDED", 1)
+    for log_id in (first, nxt):
+        (row,) = broker.fetch("log_get", log_id=log_id)
+        assert (row["status"], row["attempts"]) == ("SUCCEEDED", 1)
     assert broker.leases(QUEUE) == []
+
+
+_cancel: list[Any] = []  # what the next task calls (the test's)
+
+
+def cancel_the_rest() -> int:
+    """A task that cancels its scheduler's queued tasks while it runs."""
+    return int(_cancel[0]())
+
+
+def test_a_held_tasks_start_rides_in_the_answer_before_it(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler, executor, handle, log_ids = _short_wave(broker, monkeypatch, 8)
+    starts: list[str] = []
+    run = broker.run
+
+    def counting(query: str, **binds: Any) -> Any:
+        starts.append(query)
+        return run(query, **binds)
+
+    monkeypatch.setattr(broker, "run", counting)
+    seen = _watch_runs(broker, executor, log_ids, monkeypatch)
+    # When one reader runs the wave, two takes of four
+    for _ in log_ids:
+        assert executor.run_one(timeout=5)
+    # Then no held task's start took a statement of its own: each rode in the answer of
+    # the task before it (the first of each take: in the take's round trip)
+    assert "log_start" not in starts, starts
+    # And at every task's run it was the only RUNNING row, and each ran once, started
+    # after the one before it ended
+    assert len(seen) == len(log_ids)
+    for log_id, statuses in seen:
+        assert [i for i, s in statuses.items() if s == "RUNNING"] == [log_id], statuses
+    rows = [broker.fetch("log_get", log_id=i)[0] for i in log_ids]
+    assert [(r["status"], r["attempts"]) for r in rows] == [("SUCCEEDED", 1)] * len(rows)
+    by_start = sorted(rows, key=lambda r: r["start_time"])
+    for before, after in itertools.pairwise(by_start):
+        assert after["start_time"] >= before["end_time"], (before, after)
+    assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+
+
+def test_a_held_task_cancelled_before_its_start_could_ride_is_answered_not_run(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)
+    scheduler = TaskScheduler(broker)
+    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4)
+    _warm(scheduler, executor)
+    handle = scheduler.get_scheduler()
+    _cancel[:] = [lambda: scheduler.cancel_queued(handle, reason="not wanted")]
+    # Given a take of four whose first task cancels the others while they are held
+    first, *held = scheduler.exec_many(
+        handle,
+        [Task.python(f"{__name__}:cancel_the_rest", name="canceller")]
+        + [Task.python("builtins:abs", -n, name=f"t{n}") for n in range(3)],
+    )
+    try:
+        ran = _watch_runs(broker, executor, [first, *held], monkeypatch)
+        for _ in [first, *held]:
+            assert executor.run_one(timeout=5)
+    finally:
+        _cancel.clear()
+    # Then the start that rode in the first task's answer wrote nothing, and no held
+    # task ran: each was answered CANCELLED
+    assert [log_id for log_id, _ in ran] == [first]
+    rows = [broker.fetch("log_get", log_id=i)[0] for i in held]
+    assert [(r["status"], r["attempts"]) for r in rows] == [("CANCELLED", 0)] * len(held)
+    (row,) = broker.fetch("log_get", log_id=first)
+    assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "3")
+    assert broker.leases(QUEUE) == []
+    statuses = {scheduler.synchronization(handle, timeout=5).status for _ in range(4)}
+    assert statuses == {"SUCCEEDED", "CANCELLED"}
 
 
 def test_a_take_whose_reply_was_lost_runs_the_task_it_started_first(

@@ -30,12 +30,24 @@ _RIDES_UPDATE = re.compile(
     r"\s*(UPDATE\s+\w+\s+SET\s(?:(?!\bFROM\b)[^;])*?)\s+(WHERE\s(?:(?!\bFROM\b)[^;])*?)\s*;?\s*",
     re.DOTALL | re.IGNORECASE,
 )
+# A statement that can ride after them (``after``): UPDATE ... SET ... (no FROM) then a WHERE
+# at a line's start, whose subqueries may read other tables.
+_RIDES_AFTER = re.compile(
+    r"\s*(UPDATE\s+\w+\s+SET\s(?:(?!\bFROM\b)[^;])*?)\n(WHERE\s[^;]*?)\s*;?\s*",
+    re.DOTALL | re.IGNORECASE,
+)
+AFTER_PREFIX = "after_"  # its binds'
 _BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")  # a named bind, as sqlalchemy.text reads it
 
 
 def before_binds(params: Mapping[str, Any]) -> dict[str, Any]:
     """A riding statement's binds under their names inside the SEND (:meth:`Store.riding`)."""
     return {f"{BEFORE_PREFIX}{k}": v for k, v in params.items()}
+
+
+def after_binds(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The binds of the statement riding after (:meth:`Store.riding`'s ``after``)."""
+    return {f"{AFTER_PREFIX}{k}": v for k, v in params.items()}
 
 
 class Store:
@@ -124,7 +136,7 @@ class Store:
         """Run a named query on the driver's own cursor and return its rows as tuples."""
         return self._on_driver(conn, query, params)[1]
 
-    def riding(self, send: str, before: str) -> str | None:
+    def riding(self, send: str, before: str, after: str | None = None) -> str | None:
         """The name of one statement that is the one-statement SEND ``send`` with a layer's
         ``before`` statement inside it, written only with the message; ``None`` when
         ``before`` cannot ride there (it is neither an ``INSERT ... SELECT`` nor an
@@ -136,7 +148,14 @@ class Store:
         own), so the row and the message commit together or not at all, in one
         statement — in autocommit one round trip, where a pipeline needs BEGIN and
         COMMIT around it. Its binds are renamed ``before_<name>`` (:func:`before_binds`).
+
+        ``after``, an ``UPDATE ... SET ...`` (no FROM) with its WHERE at a line's start,
+        rides the same way, its binds renamed ``after_<name>`` (:func:`after_binds`); the
+        statement's row gets one more column, last: the rows it changed. (The executor's
+        next task's start in the answer of the task before it.)
         """
+        if after is not None:
+            return self._riding_after(send, before, after)
         name = f"{send}+{before}"
         if name in self._queries:
             return name
@@ -159,6 +178,29 @@ class Store:
         renamed = _BIND.sub(lambda m: f":{BEFORE_PREFIX}{m.group(1)}", riding)
         self._queries[name] = sa.text(
             f"{head},\n{BEFORE_PREFIX}row AS (\n{renamed}\n)\nSELECT {final}"
+        )
+        return name
+
+    def _riding_after(self, send: str, before: str, after: str) -> str | None:
+        name = f"{send}+{before}+{after}"
+        if name in self._queries:
+            return name
+        riding = self.riding(send, before)
+        inner = _RIDES_AFTER.fullmatch(self._queries[after].text)
+        if riding is None or name in self._not_riding or inner is None:
+            self._not_riding.add(name)
+            return None
+        head, _, final = self._queries[riding].text.rpartition("\nSELECT ")
+        columns, sep, tables = final.partition("\nFROM ")
+        if not sep:
+            self._not_riding.add(name)
+            return None
+        sent = f"(SELECT 1 AS {AFTER_PREFIX}sent FROM sender) AS {AFTER_PREFIX}sent"
+        update = f"{inner.group(1)}\nFROM {sent}\n{inner.group(2)}\nRETURNING 1"
+        renamed = _BIND.sub(lambda m: f":{AFTER_PREFIX}{m.group(1)}", update)
+        self._queries[name] = sa.text(
+            f"{head},\n{AFTER_PREFIX}row AS (\n{renamed}\n)\nSELECT {columns},\n"
+            f"    (SELECT count(*) FROM {AFTER_PREFIX}row) AS {AFTER_PREFIX}rows\nFROM {tables}"
         )
         return name
 

@@ -4,6 +4,7 @@ another broker, and putting a local message on its queue."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -17,6 +18,19 @@ from scheduler_lib.broker.db import store
 from scheduler_lib.broker.ops import endpoints
 
 Before = tuple[str, Mapping[str, Any]]  # a named statement and its binds
+
+
+@dataclasses.dataclass
+class SendAfter:
+    """A layer's named statement (an ``UPDATE``) to ride at the end of a SEND's one
+    statement, written only with the message (``Store.riding``), and the rows it changed
+    once it rode: ``None`` while it did not run (it could not ride: run it yourself)."""
+
+    query: str
+    binds: Mapping[str, Any]
+    rows: int | None = None
+
+
 # Conversations a process remembers as begun and not sent on (``Shared.unsent``): past
 # this many (a program that begins dialogs and never sends) it forgets them, and their
 # first SEND takes the checked path, as one begun by another process does.
@@ -98,12 +112,15 @@ def fast(
     data: bytes | None,
     lease_id: str | None = None,
     before: Before | None = None,
+    after: SendAfter | None = None,
 ) -> tuple[int | None, bool]:
     """SEND in one statement where the dialect has one and the message type's
     validation is known: its sequence number, or ``None`` for "use :func:`checked`" (the
     SEND wrote nothing) — and whether ``before`` ran: inside the SEND's statement where it
     can ride there (``Store.riding``: then only with the message), else in the same round
     trip, ahead of it (not in autocommit). With ``lease_id`` the SEND also ends that lease.
+    ``after`` rides there too, in autocommit, with ``before`` riding (``after.rows`` set),
+    or does not run.
 
     :raises LeaseLost: when the lease was gone (the transaction must roll back)
     """
@@ -121,14 +138,27 @@ def fast(
         "lease_id": lease_id,
     }
     making = _making_target(session, send)
-    riding = None if before is None else session.store.riding("send_fast", before[0])
+    if after is not None and not session.autocommit:
+        after = None  # (in a transaction the caller runs it in its own round trip)
+    riding = None
+    if before is not None:
+        riding = session.store.riding(
+            "send_fast", before[0], None if after is None else after.query
+        )
+        if riding is None and after is not None:  # it cannot ride: ``before`` alone
+            after = None
+            riding = session.store.riding("send_fast", before[0])
     if riding is not None:
         assert before is not None
         # One statement: ``before`` writes only with the message (none back: neither ran)
         binds = {**send, **store.before_binds(before[1])}
+        if after is not None:
+            binds.update(store.after_binds(after.binds))
         rows = _last_rows(session, [*making, (riding, binds)])
         if not rows:
             return None, False
+        if after is not None:
+            after.rows = int(rows[0][-1])
     elif before is not None and session.autocommit:
         return None, False  # a pipeline would commit ``before`` without the message
     else:
@@ -136,7 +166,7 @@ def fast(
         rows = _last_rows(session, [*ahead, *making, ("send_fast", send)])
     if not rows:
         return None, before is not None
-    seq, queue, _notified, completed = rows[0]
+    seq, queue, _notified, completed = rows[0][:4]
     session.mark_written()
     if lease_id is not None and not completed:
         raise exceptions.LeaseLost(
