@@ -74,6 +74,7 @@ class _Next(NamedTuple):
     lease: Lease
     at: float  # its start instant (time.time())
     started: bool
+    renewal: contextlib.ExitStack  # its lease's, until it is started here
 
 
 class _Targets(NamedTuple):
@@ -155,6 +156,8 @@ class Executor:
             return self._serve(stop)
         finally:
             nxt, self._next = self._next, None
+            if nxt is not None:
+                nxt.renewal.close()
             if nxt is not None and not self.broker.closed:
                 # Reserved and not run (the reader ends on an error): back to its queue
                 try:
@@ -207,6 +210,7 @@ class Executor:
         nxt, self._next = self._next, None
         held = None if nxt is not None else self._prefetched.pop()
         if nxt is not None:  # reserved at the last answer, which may have started it
+            nxt.renewal.close()  # as a held one's: the reader renews it while it runs
             leases, started_at = [nxt.lease], nxt.at
             if nxt.started:
                 recorded = frozenset({nxt.lease.lease_id})
@@ -590,7 +594,8 @@ class Executor:
                 # longer (a lost lease writes nothing: LeaseLost). A scheduler released
                 # meanwhile: the transaction below ends the row and the lease, no answer.
                 # The start of the task this reader runs next rides at its end.
-                after = self._next_start()
+                # (Not after a Ctrl-C: the process stops, it would only go back.)
+                after = self._next_start() if interrupted is None else None
                 try:
                     answer_on(self.broker, released_raises=True, after=after)
                     if after is not None and after.rows and self._next is not None:
@@ -638,10 +643,11 @@ class Executor:
         stopping = activation.stopping() or (self._stop is not None and self._stop.is_set())
         if self._next is not None or self.spark_application is not None or stopping:
             return None
-        lease = self._prefetched.pop()
-        if lease is None:
+        popped = self._prefetched.pop_renewed()
+        if popped is None:
             return None
-        self._next = _Next(lease, time.time(), False)
+        lease, renewal = popped  # renewed until it is started here: the answer may wait
+        self._next = _Next(lease, time.time(), False, renewal)
         message = lease.message
         if message.message_type_name in (END_DIALOG, ERROR):
             return None

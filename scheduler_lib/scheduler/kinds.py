@@ -286,7 +286,7 @@ def _sql_engine(url: str) -> sa.Engine:
     # The user's database, not the broker's store: the blog's exec(@SQL) runs the task's
     # own statements there (with the broker's engine settings: WAL and BEGIN IMMEDIATE
     # on SQLite, psycopg on PostgreSQL).
-    return engines.create_engine(url, pool_pre_ping=True)
+    return engines.create_engine(url, pool_pre_ping=True, broker=False)
 
 
 def statements_field(spec: Mapping[str, Any], where: str) -> list[str]:

@@ -132,14 +132,23 @@ class Prefetched:
 
     def pop(self) -> Lease | None:
         """The oldest held lease, no longer held (``None``: none is)."""
+        popped = self.pop_renewed()
+        if popped is None:
+            return None
+        lease, keeping = popped
+        keeping.close()  # the reader renews it while the task runs
+        return lease
+
+    def pop_renewed(self) -> tuple[Lease, contextlib.ExitStack] | None:
+        """The oldest held lease, no longer held, still renewed until the caller closes
+        the stack returned with it (``None``: none is held)."""
         if not self._held:  # the common case, without the lock
             return None
         with self._guard:
             if not self._held:
                 return None
             lease, _, keeping = self._held.popleft()
-        keeping.close()  # the reader renews it while the task runs
-        return lease
+        return lease, keeping
 
     def give_back(self, older_than: float | None = None) -> int:
         """Put held leases back on their queue — every one, or those held longer than

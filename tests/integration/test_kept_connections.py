@@ -231,3 +231,14 @@ def test_a_statement_is_prepared_at_its_second_execution(catalogued: Broker) -> 
         ]
     assert any("INSERT INTO queue_messages" in text for text in prepared), prepared
     assert _drained(broker, 2) == [b"one", b"two"]
+
+
+def test_the_sql_tasks_database_keeps_psycopgs_threshold(postgres_url: str) -> None:
+    """The ``sql`` tasks' statements are the user's: their engine keeps psycopg's default
+    (a pooler in transaction mode, a table whose columns change between runs)."""
+    from scheduler_lib.scheduler import kinds
+
+    with kinds._sql_engine(postgres_url).connect() as conn:
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        assert driver.prepare_threshold == 5  # psycopg's default

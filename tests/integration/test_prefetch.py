@@ -327,6 +327,89 @@ def test_a_held_task_cancelled_before_its_start_could_ride_is_answered_not_run(
     assert statuses == {"SUCCEEDED", "CANCELLED"}
 
 
+def interrupt() -> None:
+    """A task that is stopped by Ctrl-C."""
+    raise KeyboardInterrupt
+
+
+def test_a_reader_stopped_by_ctrl_c_starts_no_held_task(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)
+    scheduler = TaskScheduler(broker)
+    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4)
+    _warm(scheduler, executor)
+    handle = scheduler.get_scheduler()
+    # Given a take of four whose first task is stopped by Ctrl-C (in the main thread)
+    _, *held = scheduler.exec_many(
+        handle,
+        [Task.python(f"{__name__}:interrupt", name="ctrl-c")]
+        + [Task.python("builtins:abs", -n, name=f"t{n}") for n in range(3)],
+    )
+    with pytest.raises(KeyboardInterrupt):
+        executor.run_one(timeout=5)
+    # Then it was answered, and no held task was started by its answer: they stay
+    # QUEUED, held for the process (which stops, giving them back)
+    assert scheduler.synchronization(handle, timeout=5).status == "FAILED"
+    assert _statuses(broker, held) == dict.fromkeys(held, "QUEUED")
+    assert executor._next is None
+    assert executor._prefetched.give_back() == len(held)
+    assert len(broker.peek(QUEUE)) == len(held)
+
+
+def test_a_task_reserved_while_its_answer_waits_keeps_its_lease(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next task's start rides in the answer: while the answer waits (here a slow
+    one: the database slow to take it), the reserved task's lease is renewed; it must not
+    expire under the reader that will run it."""
+    monkeypatch.setattr(prefetching, "HOLD", DEADLINE)
+    lease = 1.5
+    scheduler = TaskScheduler(broker)
+    executor = Executor(broker, QUEUE, idle_timeout=1, prefetch=4, lease=lease)
+    _warm(scheduler, executor)
+    handle = scheduler.get_scheduler()
+    log_ids = scheduler.exec_many(
+        handle, [Task.python("builtins:abs", -n, name=f"t{n}") for n in range(4)]
+    )
+    answering = threading.Event()
+    go_on = threading.Event()
+    answer = executor._answer
+
+    def slow(*args: Any, **kwargs: Any) -> None:
+        if not answering.is_set():  # the first answer only
+            answering.set()
+            go_on.wait(DEADLINE)
+        answer(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "_answer", slow)
+    ran: list[bool] = []  # (one reader: one thread runs the four)
+    first = threading.Thread(
+        target=lambda: ran.extend(executor.run_one(timeout=5) for _ in log_ids)
+    )
+    first.start()
+    try:
+        # Given the first task's answer waiting, the next task reserved for its reader
+        _wait_until(answering.is_set, "the first answer waits")
+        assert executor._next is not None
+        # When it waits for three leases while expired leases are looked for
+        deadline = time.monotonic() + 3 * lease
+        while time.monotonic() < deadline:
+            broker.fire_timers()
+            time.sleep(0.1)
+    finally:
+        go_on.set()
+        first.join(DEADLINE)
+    assert not first.is_alive()
+    assert ran == [True] * len(log_ids)
+    # Then no lease expired: each task ran once, here, and was answered once
+    rows = [broker.fetch("log_get", log_id=i)[0] for i in log_ids]
+    assert [(r["status"], r["attempts"]) for r in rows] == [("SUCCEEDED", 1)] * len(rows)
+    answers = [scheduler.synchronization(handle, timeout=5).status for _ in log_ids]
+    assert answers == ["SUCCEEDED"] * len(log_ids)
+    assert broker.leases(QUEUE) == []
+
+
 def test_a_take_whose_reply_was_lost_runs_the_task_it_started_first(
     broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:

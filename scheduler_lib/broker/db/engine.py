@@ -73,7 +73,9 @@ def normalize_url(url: str | URL) -> URL:
     return parsed
 
 
-def create_engine(url: str | URL, *, read_only: bool = False, **kwargs: Any) -> Engine:
+def create_engine(
+    url: str | URL, *, read_only: bool = False, broker: bool = True, **kwargs: Any
+) -> Engine:
     """An engine configured for the broker.
 
     SQLite: WAL, full fsync, foreign keys, and ``BEGIN IMMEDIATE`` for every transaction so
@@ -84,6 +86,9 @@ def create_engine(url: str | URL, *, read_only: bool = False, **kwargs: Any) -> 
     :param url: the database URL
     :param read_only: SQLite: transactions that only read (a plain ``BEGIN``: in WAL a
         reader sees one snapshot and neither waits for the writer nor holds it up)
+    :param broker: PostgreSQL: for the broker's own statements, prepared at their second
+        execution (:data:`PREPARE_THRESHOLD`); ``False`` (a user's database, the ``sql``
+        tasks'): psycopg's default, their statements being theirs
     :param kwargs: passed to :func:`sqlalchemy.create_engine`
     """
     parsed = normalize_url(url)
@@ -120,7 +125,8 @@ def create_engine(url: str | URL, *, read_only: bool = False, **kwargs: Any) -> 
     engine = sa.create_engine(parsed, connect_args=connect_args, **kwargs)
     sa.event.listen(engine, "checkout", _closed_while_idle)
     sa.event.listen(engine, "connect", _arrays_in_binary)
-    sa.event.listen(engine, "connect", _prepared_at_once)
+    if broker:
+        sa.event.listen(engine, "connect", _prepared_at_once)
     return engine
 
 
