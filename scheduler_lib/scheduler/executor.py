@@ -156,12 +156,11 @@ class Executor:
             return self._serve(stop)
         finally:
             nxt, self._next = self._next, None
-            if nxt is not None:
+            if nxt is not None:  # reserved and not run (the reader ends on an error)
                 nxt.renewal.close()
-            if nxt is not None and not self.broker.closed:
-                # Reserved and not run (the reader ends on an error): back to its queue
-                try:
-                    self.broker.release(nxt.lease)
+                try:  # back to its queue
+                    if not self.broker.closed:
+                        self.broker.release(nxt.lease)
                 except Exception:  # what went wrong is said; its lease expires anyway
                     log.exception("giving back the next task of %s failed", self.queue)
             stopping = activation.stopping() or (stop is not None and stop.is_set())

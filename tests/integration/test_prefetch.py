@@ -100,6 +100,23 @@ def _watch_runs(
     return seen
 
 
+def _ran_once_each_alone_in_order(
+    broker: Broker, log_ids: list[int], seen: list[tuple[int, dict[int, str]]]
+) -> None:
+    """One reader ran ``log_ids`` (``seen`` by :func:`_watch_runs`): at every task's run it
+    was the only RUNNING row (the others QUEUED or done), each ran once, and each started
+    after the one before it ended."""
+    assert len(seen) == len(log_ids)
+    for log_id, statuses in seen:
+        running = [i for i, s in statuses.items() if s == "RUNNING"]
+        assert running == [log_id], (log_id, statuses)
+    rows = [broker.fetch("log_get", log_id=i)[0] for i in log_ids]
+    assert [(r["status"], r["attempts"]) for r in rows] == [("SUCCEEDED", 1)] * len(rows)
+    by_start = sorted(rows, key=lambda r: r["start_time"])
+    for before, after in itertools.pairwise(by_start):
+        assert after["start_time"] >= before["end_time"], (before, after)
+
+
 def _wait_until(condition: Any, what: str) -> None:
     deadline = time.monotonic() + DEADLINE
     while not condition():
@@ -127,17 +144,8 @@ def test_a_take_of_several_starts_each_task_only_when_it_runs(
         assert executor.run_one(timeout=5)
     # Then takes got several tasks at once (fewer takes than tasks)
     assert sum(takes) == len(log_ids) and len(takes) < len(log_ids), takes
-    # And at every task's run, it was the only RUNNING row; the others QUEUED or done
-    assert len(seen) == len(log_ids)
-    for log_id, statuses in seen:
-        running = [i for i, s in statuses.items() if s == "RUNNING"]
-        assert running == [log_id], (log_id, statuses)
-    # And each ran once, each started after the one before it ended (one reader)
-    rows = [broker.fetch("log_get", log_id=i)[0] for i in log_ids]
-    assert [(r["status"], r["attempts"]) for r in rows] == [("SUCCEEDED", 1)] * len(rows)
-    by_start = sorted(rows, key=lambda r: r["start_time"])
-    for before, after in itertools.pairwise(by_start):
-        assert after["start_time"] >= before["end_time"], (before, after)
+    # And at every task's run it was the only RUNNING row; each ran once, in turn
+    _ran_once_each_alone_in_order(broker, log_ids, seen)
     assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
 
 
@@ -281,16 +289,8 @@ def test_a_held_tasks_start_rides_in_the_answer_before_it(
     # Then no held task's start took a statement of its own: each rode in the answer of
     # the task before it (the first of each take: in the take's round trip)
     assert "log_start" not in starts, starts
-    # And at every task's run it was the only RUNNING row, and each ran once, started
-    # after the one before it ended
-    assert len(seen) == len(log_ids)
-    for log_id, statuses in seen:
-        assert [i for i, s in statuses.items() if s == "RUNNING"] == [log_id], statuses
-    rows = [broker.fetch("log_get", log_id=i)[0] for i in log_ids]
-    assert [(r["status"], r["attempts"]) for r in rows] == [("SUCCEEDED", 1)] * len(rows)
-    by_start = sorted(rows, key=lambda r: r["start_time"])
-    for before, after in itertools.pairwise(by_start):
-        assert after["start_time"] >= before["end_time"], (before, after)
+    # And at every task's run it was the only RUNNING row; each ran once, in turn
+    _ran_once_each_alone_in_order(broker, log_ids, seen)
     assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
 
 

@@ -185,9 +185,11 @@ class Store:
         name = f"{send}+{before}+{after}"
         if name in self._queries:
             return name
+        if name in self._not_riding:
+            return None
         riding = self.riding(send, before)
         inner = _RIDES_AFTER.fullmatch(self._queries[after].text)
-        if riding is None or name in self._not_riding or inner is None:
+        if riding is None or inner is None:
             self._not_riding.add(name)
             return None
         head, _, final = self._queries[riding].text.rpartition("\nSELECT ")
