@@ -126,6 +126,7 @@ def markdown(results: dict[str, tuple[collections.Counter[tuple[str, str]], int]
     at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     systems = ",".join(results)
     lines = [
+        "",  # a section of its own, whatever the last one ended with
         f"## What the database waits on in the waves — {at}",
         "",
         f"Command: `python -m bench.wait_events --systems {systems}` (design in "
