@@ -5,7 +5,10 @@ task is never failed for it."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
+import time
 
 import pytest
 import sqlalchemy as sa
@@ -103,4 +106,43 @@ def test_a_savepoint_on_a_lost_connection_is_a_lost_connection(postgres_url: str
         with broker.transaction() as tx:
             tx.fetch_value("next_deadline")
     finally:
+        broker.close()
+
+
+def test_a_reader_whose_database_is_gone_tries_again_slower_and_slower(
+    postgres_server: str, postgres_url: str
+) -> None:
+    broker = Broker(postgres_url, timers=False)
+    init(broker, targets=[Target(activation=False)])
+    executor = Executor(broker, "QueueAsyncTarget", idle_timeout=600)
+    looks: list[float] = []
+    run_one = executor.run_one
+
+    def looking(timeout: float | None = 0) -> bool:
+        looks.append(time.monotonic())
+        return run_one(timeout)
+
+    executor.run_one = looking  # type: ignore[method-assign]
+    stop = threading.Event()
+    serving = threading.Thread(target=executor.serve, args=(stop,), daemon=True)
+    try:
+        # Given the database dropped under a reader: every look fails at once (a
+        # connection refused, "does not exist": nothing to wait out)
+        admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+        name = sa.make_url(postgres_url).database
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
+        admin.dispose()
+        serving.start()
+        # When it keeps looking, Then it pauses between the failed looks, longer each
+        # time (0.05 s, doubled, up to a second): not hundreds of looks a second
+        poll(lambda: len(looks) >= 6, 60, "six looks")
+        gaps = [b - a for a, b in itertools.pairwise(looks[:6])]
+        assert all(gap >= 0.9 * 0.05 * 2**i for i, gap in enumerate(gaps)), gaps
+        # And a stop ends it at once, not after its pause
+        stop.set()
+        serving.join(10)
+        assert not serving.is_alive()
+    finally:
+        stop.set()
         broker.close()
