@@ -30,6 +30,7 @@ from scheduler_lib.broker import (
     END_DIALOG,
     ERROR,
     Broker,
+    CannotConnect,
     ConnectionLost,
     ConversationNotFound,
     ConversationStateError,
@@ -54,9 +55,9 @@ log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 10.0  # seconds; SCHEDULER_LIB_EXECUTOR_IDLE overrides it
 POLL = 1.0  # seconds per RECEIVE while idle, so a stopping runtime is noticed
-# The first pause after a failed look (doubled at each failure in a row, up to POLL): an
-# error that comes back at once (a database dropped, a password changed: no reconnect
-# wait in it) once made a reader try some 300 times a second, and log each.
+# The first pause after a look whose connection was refused for good (doubled at each
+# one in a row, up to POLL): a database dropped, a role or password changed — no
+# reconnect wait in it — once made a reader try some 300 times a second, and log each.
 FAILED_LOOK_PAUSE = 0.05
 LEASE = 30.0  # seconds a task is held without a heartbeat (renewed every third)
 TARGETS_REFRESH = 5.0  # seconds the allowed kinds of the targets are trusted
@@ -178,7 +179,7 @@ class Executor:
     def _serve(self, stop: threading.Event | None) -> int:
         handled = 0
         idle_since = time.monotonic()
-        failed = 0  # looks in a row that raised
+        refused = 0  # looks in a row whose connection was refused for good
         # A task reserved for this reader (started, maybe) runs before it stops
         while self._next is not None or not (
             activation.stopping() or (stop is not None and stop.is_set())
@@ -193,19 +194,21 @@ class Executor:
             except (DatabaseError, LeaseLost) as exc:
                 # The database went away (past the reconnect deadline, or mid-commit):
                 # this reader stays and keeps trying (its calls back off through an
-                # outage; an error that comes back at once, after a pause growing to
-                # POLL); an outage is not idleness. What it held went back to the queue
-                # or expires.
+                # outage; a connection refused for good, after a pause growing to POLL:
+                # the database may be restored); an outage is not idleness. What it held
+                # went back to the queue or expires. (Other errors, e.g. SQLite's busy
+                # database, are tried again at once, as before.)
                 log.warning("executor on %s: %s", self.queue, exc)
-                pause = min(POLL, FAILED_LOOK_PAUSE * 2 ** min(failed, 10))
-                failed += 1
-                if stop is not None:
-                    stop.wait(pause)
-                else:
-                    time.sleep(pause)
+                if isinstance(exc, CannotConnect):
+                    pause = min(POLL, FAILED_LOOK_PAUSE * 2 ** min(refused, 10))
+                    refused += 1
+                    if stop is not None:
+                        stop.wait(pause)
+                    else:
+                        time.sleep(pause)
                 idle_since = time.monotonic()
                 continue
-            failed = 0
+            refused = 0
             if took:
                 handled += 1
                 idle_since = time.monotonic()
