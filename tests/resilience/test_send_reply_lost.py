@@ -2,13 +2,16 @@
 commits as it runs on PostgreSQL. The server restarts around it: a connection the
 server closed while it sat in the pool is replaced before the SEND (the SEND goes, once,
 no error), and a SEND whose reply is lost raises ``ConnectionLost(committing=True)``
-instead of being sent again — the message is there once, never twice."""
+instead of being sent again — the message is there once, never twice. And a SEND that
+returned is on disk: the server crashing right after it (an immediate stop, its WAL
+writer slowed so that nothing but the commit's own flush writes it) loses none."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import psycopg
 import pytest
 from private_postgres import PrivatePostgres
 
@@ -39,6 +42,28 @@ def _warm(broker: Broker) -> Any:
     broker.send(handle, "Ping", b"warm")
     assert [m.body for m in broker.receive("Q", top=10, timeout=5)] == [b"warm", b"warm"]
     return handle
+
+
+@pytest.fixture
+def slow_wal_writer(private_postgres: PrivatePostgres) -> Iterator[None]:
+    """``wal_writer_delay`` 10 s on the private server for one test: what no commit
+    flushed stays unwritten until a crash, as it may on a busy server."""
+
+    def setting(value: str | None) -> None:
+        with psycopg.connect(private_postgres.url, autocommit=True) as conn:
+            if value is None:
+                conn.execute("ALTER SYSTEM RESET wal_writer_delay")
+            else:
+                conn.execute(f"ALTER SYSTEM SET wal_writer_delay = '{value}'")
+            conn.execute("SELECT pg_reload_conf()")
+
+    setting("10s")
+    try:
+        yield
+    finally:
+        if not private_postgres.is_accepting():
+            private_postgres.start()
+        setting(None)
 
 
 def _bodies(broker: Broker) -> list[bytes | None]:
@@ -81,3 +106,21 @@ def test_a_send_whose_reply_is_lost_is_not_sent_twice(
     monkeypatch.undo()
     # The message went, once: not sent again behind the caller's back
     assert _bodies(broker) == [b"once"]
+
+
+def test_sends_that_returned_survive_a_crash(
+    broker: Broker, private_postgres: PrivatePostgres, slow_wal_writer: None
+) -> None:
+    handle = _warm(broker)
+    # Given SENDs that returned: one-statement SENDs, and SENDs in a transaction
+    for i in range(10):
+        broker.send(handle, "Ping", f"{i}".encode())
+    for i in range(10, 20):
+        with broker.transaction() as tx:
+            tx.send(handle, "Ping", f"{i}".encode())
+    # When the server crashes right after (what it had not written is lost)
+    private_postgres.stop("immediate")
+    private_postgres.start()
+    # Then every one of them is there, in order
+    got = [m.body for m in broker.receive("Q", top=100, timeout=0)]
+    assert got == [f"{i}".encode() for i in range(20)]
