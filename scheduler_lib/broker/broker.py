@@ -591,9 +591,14 @@ class Broker(
                 with self.snapshot() as tx:
                     deadline = timers.next_deadline(tx.session)
                 self.availability.mark_ok()
-            except (exceptions.ConnectionLost, exceptions.DatabaseUnavailable) as exc:
+            except (
+                exceptions.ConnectionLost,
+                exceptions.DatabaseUnavailable,
+                exceptions.CannotConnect,
+            ) as exc:
                 # This thread looks every second: it notices an outage (and its end) for
-                # the whole process, which is what lease expiry measures from.
+                # the whole process, which is what lease expiry measures from. (A refused
+                # connection too: its cause is one line, said once.)
                 self.availability.mark_lost(exc)
                 deadline = None
             except Exception:  # the thread must outlive a passing database error

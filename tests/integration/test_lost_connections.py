@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -18,6 +22,8 @@ from scheduler_lib.broker import Broker, ConnectionLost
 from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
 
 pytestmark = pytest.mark.postgres
+
+SCHEDULER_LIB = Path(sys.executable).with_name("scheduler-lib")
 
 
 def _kill_our_backends(url: str) -> int:
@@ -146,3 +152,92 @@ def test_a_reader_whose_database_is_gone_tries_again_slower_and_slower(
     finally:
         stop.set()
         broker.close()
+
+
+def test_serve_says_once_that_its_database_is_gone_and_serves_it_again_once_back(
+    postgres_server: str, postgres_url: str
+) -> None:
+    """The documented ``scheduler-lib serve --db URL`` in its own process, with default
+    settings, when its database is dropped under it and restored."""
+    broker = Broker(postgres_url, timers=False)
+    init(broker)
+    broker.close()
+    admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    name = sa.make_url(postgres_url).database
+    # A copy to restore it from in one statement (an empty database without the schema
+    # in between is another state; not this test's)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}_copy" TEMPLATE "{name}"')
+    lines: list[str] = []
+    process = subprocess.Popen(
+        [str(SCHEDULER_LIB), "serve", "--db", postgres_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line.rstrip("\n"))
+
+    reading = threading.Thread(target=read, daemon=True)
+    reading.start()
+    try:
+        poll(
+            lambda: any("serving" in line for line in lines),
+            60,
+            "serve to start",
+            explain=lambda: lines,
+        )
+        # Given its database dropped under it: every connection is refused for good
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
+        # Then it says so, naming the cause (first, maybe, a connection lost to the DROP)
+        poll(
+            lambda: any("unavailable" in line and "does not exist" in line for line in lines),
+            30,
+            "serve to say that its database is unavailable",
+            explain=lambda: lines[-20:],
+        )
+        # And it says nothing more while its loops keep failing (the timer thread's
+        # each second, the activation supervisor's, the heartbeat's): a few lines, not a
+        # traceback per loop per turn (before: some 2,000 lines in 10 s)
+        said = len(lines)
+        time.sleep(3)  # a window to count lines in, three turns of the timer thread
+        assert process.poll() is None, lines[-20:]
+        assert not [line for line in lines if "Traceback" in line], lines[-40:]
+        assert len(lines) - said <= 5, lines[said:]
+        # When the database is restored, Then it serves it: a task runs
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}" TEMPLATE "{name}_copy"')
+        broker = Broker(postgres_url, timers=False)
+        try:
+            report = TaskScheduler(broker).run_waves([[Task.sql("SELECT 1")]], timeout=60)
+            assert report.ok, report.completions
+        finally:
+            broker.close()
+        poll(lambda: any("is back" in line for line in lines), 30, "serve to say it is back")
+        back = len(lines)
+        # And a SIGTERM while its database is gone again stops it as usual, without a
+        # traceback either (it unregisters its waiters on the way out)
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
+        poll(
+            lambda: any("unavailable" in line for line in lines[back:]),
+            30,
+            "serve to say again that its database is unavailable",
+            explain=lambda: lines[-20:],
+        )
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0, lines[-20:]
+        reading.join(10)
+        assert not [line for line in lines if "Traceback" in line], lines[-40:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        reading.join(10)
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}_copy"')
+        admin.dispose()

@@ -344,6 +344,7 @@ class Availability:
         self._lock = threading.Lock()
         self.unavailable_since: float | None = None  # epoch seconds, while it is away
         self.recovered_at = 0.0  # epoch seconds it last came back after an outage
+        self._said_refused = False  # this outage's refusal for good was logged
         self.last_error: str | None = None
         self._watchers: list[Callable[[Availability], None]] = []
 
@@ -362,12 +363,21 @@ class Availability:
         # broker's autocommit and no-flush engines have pools of their own).
         for engine in self._engines():
             discard_pool(engine)
+        refused = isinstance(exc, exceptions.CannotConnect)
         with self._lock:
             self.last_error = str(exc)
             if self.unavailable_since is not None:
-                return
-            self.unavailable_since = time.time()
-            watchers = list(self._watchers)
+                # Said once per outage; but an outage that turns out to be a refusal for
+                # good (a connection lost to a DROP DATABASE, then "does not exist") is
+                # said again, once, with that cause: waiting will not end it.
+                if not refused or self._said_refused:
+                    return
+                self._said_refused = True
+                watchers = []
+            else:
+                self.unavailable_since = time.time()
+                self._said_refused = refused
+                watchers = list(self._watchers)
         log.warning("database %s unavailable: %s; retrying", self.database, exc)
         for callback in watchers:
             with contextlib.suppress(Exception):
@@ -375,8 +385,13 @@ class Availability:
 
     def report(self, logger: logging.Logger, what: str, exc: BaseException) -> None:
         """A background loop's failure: an outage is said once, here (not once per
-        loop and retry, with a traceback each); anything else is logged with its trace."""
-        if isinstance(exc, exceptions.DatabaseUnavailable) or is_lost(exc):
+        loop and retry, with a traceback each); anything else is logged with its trace.
+        A connection refused for good (a dropped database, a changed password) is said
+        once too: every loop of a ``serve`` meets it each turn, and its message names
+        the cause; a traceback would only repeat it, a hundred lines a second."""
+        if isinstance(exc, exceptions.DatabaseUnavailable | exceptions.CannotConnect) or is_lost(
+            exc
+        ):
             self.mark_lost(exc)
         else:
             logger.warning("%s", what, exc_info=exc)

@@ -157,8 +157,8 @@ class Waiting:
         for queue in due:
             try:
                 self._register(queue, -1)
-            except Exception:
-                log.warning("could not unregister the waiters of %s", queue, exc_info=True)
+            except Exception as exc:
+                self._availability.report(log, f"could not unregister the waiters of {queue}", exc)
         return soonest
 
     # --- what feeds the wakeups --------------------------------------------------------
@@ -241,8 +241,8 @@ class Waiting:
         for queue in registered:
             try:
                 self._register(queue, -1)
-            except Exception:
-                log.warning("could not unregister the waiters of %s", queue, exc_info=True)
+            except Exception as exc:
+                self._availability.report(log, f"could not unregister the waiters of {queue}", exc)
         if self.listener is not None:
             self.listener.stop()
         if self._watcher is not None:
