@@ -591,18 +591,11 @@ class Broker(
                 with self.snapshot() as tx:
                     deadline = timers.next_deadline(tx.session)
                 self.availability.mark_ok()
-            except (
-                exceptions.ConnectionLost,
-                exceptions.DatabaseUnavailable,
-                exceptions.CannotConnect,
-            ) as exc:
+            except Exception as exc:  # the thread must outlive a passing database error
                 # This thread looks every second: it notices an outage (and its end) for
-                # the whole process, which is what lease expiry measures from. (A refused
-                # connection too: its cause is one line, said once.)
-                self.availability.mark_lost(exc)
-                deadline = None
-            except Exception:  # the thread must outlive a passing database error
-                log.warning("timer thread: firing timers failed", exc_info=True)
+                # the whole process, which is what lease expiry measures from. An outage
+                # or a refused connection is said once there; anything else with a trace.
+                self.availability.report(log, "timer thread: firing timers failed", exc)
                 deadline = None
             sleep = TIMER_POLL_INTERVAL
             if deadline is not None:

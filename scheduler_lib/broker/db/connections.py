@@ -389,9 +389,8 @@ class Availability:
         A connection refused for good (a dropped database, a changed password) is said
         once too: every loop of a ``serve`` meets it each turn, and its message names
         the cause; a traceback would only repeat it, a hundred lines a second."""
-        if isinstance(exc, exceptions.DatabaseUnavailable | exceptions.CannotConnect) or is_lost(
-            exc
-        ):
+        away = exceptions.DatabaseUnavailable | exceptions.CannotConnect
+        if isinstance(exc, away) or is_lost(exc):
             self.mark_lost(exc)
         else:
             logger.warning("%s", what, exc_info=exc)
