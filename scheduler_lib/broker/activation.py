@@ -529,6 +529,11 @@ class ActivationRuntime:
             else:
                 _reader.task_id, _reader.stopped = task_id, self._stopped
                 checks.resolve(procedure)(self.broker, queue)
+        except exceptions.QueueNotFound as exc:
+            # Its queue was dropped under it (DROP QUEUE, or a database emptied and made
+            # again by scheduler-lib init): the reader has nothing to read; no bug to trace.
+            self._failed_at[queue] = self.clock()
+            log.warning("reader on queue %s ends: %s", queue, exc)
         except Exception:
             self._failed_at[queue] = self.clock()
             log.exception(

@@ -126,3 +126,8 @@ class DatabaseUnavailable(DatabaseError):
 class CannotConnect(DatabaseError):
     """The database refused the connection for a reason that waiting will not fix: a
     wrong password, a role or database that does not exist, an unknown host."""
+
+
+class SchemaMissing(DatabaseError):
+    """A table of the broker's schema is not in the database: one emptied under a running
+    process (dropped and created again for a restore), or never initialized."""

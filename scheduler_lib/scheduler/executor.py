@@ -38,6 +38,7 @@ from scheduler_lib.broker import (
     DatabaseUnavailable,
     InvalidArgument,
     LeaseLost,
+    SchemaMissing,
     SendAfter,
     SentBy,
     Transaction,
@@ -55,9 +56,10 @@ log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 10.0  # seconds; SCHEDULER_LIB_EXECUTOR_IDLE overrides it
 POLL = 1.0  # seconds per RECEIVE while idle, so a stopping runtime is noticed
-# The first pause after a look whose connection was refused for good (doubled at each
-# one in a row, up to POLL): a database dropped, a role or password changed — no
-# reconnect wait in it — once made a reader try some 300 times a second, and log each.
+# The first pause after a look whose connection was refused for good or whose tables
+# are gone (doubled at each one in a row, up to POLL): a database dropped or emptied, a
+# role or password changed — no reconnect wait in it — once made a reader try some 300
+# times a second, and log each.
 FAILED_LOOK_PAUSE = 0.05
 LEASE = 30.0  # seconds a task is held without a heartbeat (renewed every third)
 TARGETS_REFRESH = 5.0  # seconds the allowed kinds of the targets are trusted
@@ -179,7 +181,7 @@ class Executor:
     def _serve(self, stop: threading.Event | None) -> int:
         handled = 0
         idle_since = time.monotonic()
-        refused = 0  # looks in a row whose connection was refused for good
+        refused = 0  # looks in a row refused for good (or without the broker's tables)
         # A task reserved for this reader (started, maybe) runs before it stops
         while self._next is not None or not (
             activation.stopping() or (stop is not None and stop.is_set())
@@ -194,12 +196,16 @@ class Executor:
             except (DatabaseError, LeaseLost) as exc:
                 # The database went away (past the reconnect deadline, or mid-commit):
                 # this reader stays and keeps trying (its calls back off through an
-                # outage; a connection refused for good, after a pause growing to POLL:
-                # the database may be restored); an outage is not idleness. What it held
-                # went back to the queue or expires. (Other errors, e.g. SQLite's busy
-                # database, are tried again at once, as before.)
-                log.warning("executor on %s: %s", self.queue, exc)
-                if isinstance(exc, CannotConnect):
+                # outage; a connection refused for good or a database without its
+                # tables, after a pause growing to POLL: the database may be restored),
+                # and those two are said once for the process, not at each look of each
+                # reader; an outage is not idleness. What it held went back to the queue
+                # or expires. (Other errors, e.g. SQLite's busy database, are tried again
+                # at once, as before.)
+                if not isinstance(exc, CannotConnect | SchemaMissing):
+                    log.warning("executor on %s: %s", self.queue, exc)
+                else:
+                    self.broker.availability.report(log, f"executor on {self.queue}", exc)
                     pause = min(POLL, FAILED_LOOK_PAUSE * 2 ** min(refused, 10))
                     refused += 1
                     if stop is not None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,68 @@ def test_a_reader_whose_database_is_gone_tries_again_slower_and_slower(
         broker.close()
 
 
+class _Serving:
+    """The documented ``scheduler-lib serve --db URL`` in its own process, with default
+    settings, and the lines it prints (stdout and stderr, as a terminal shows them)."""
+
+    def __init__(self, url: str) -> None:
+        self.lines: list[str] = []
+        self.process = subprocess.Popen(
+            [str(SCHEDULER_LIB), "serve", "--db", url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self._reading = threading.Thread(target=self._read, daemon=True)
+        self._reading.start()
+        poll(self.said("serving"), 60, "serve to start", explain=lambda: self.lines)
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def said(self, *words: str, since: int = 0) -> Callable[[], bool]:
+        return lambda: any(all(w in line for w in words) for line in self.lines[since:])
+
+    def says_little(self) -> None:
+        """It says nothing more while its loops keep failing (the timer thread's each
+        second, the activation supervisor's, the heartbeat's): a few lines, no traceback
+        — not a traceback per loop per turn (before: some 2,000 lines in 10 s)."""
+        said = len(self.lines)
+        time.sleep(3)  # a window to count lines in, three turns of the timer thread
+        assert self.process.poll() is None, self.tail(20)
+        assert not self.tracebacks(), self.tail(len(self.lines))
+        assert len(self.lines) - said <= 5, "\n".join(self.lines[said:])
+
+    def tail(self, count: int = 60) -> str:
+        return "\n".join(self.lines[-count:])
+
+    def tracebacks(self) -> list[str]:
+        return [line for line in self.lines if "Traceback" in line]
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(30)
+        self._reading.join(10)
+        return code
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        self._reading.join(10)
+
+
+def _runs_a_task(url: str) -> None:
+    broker = Broker(url, timers=False)
+    try:
+        report = TaskScheduler(broker).run_waves([[Task.sql("SELECT 1")]], timeout=60)
+        assert report.ok, report.completions
+    finally:
+        broker.close()
+
+
 def test_serve_says_once_that_its_database_is_gone_and_serves_it_again_once_back(
     postgres_server: str, postgres_url: str
 ) -> None:
@@ -165,79 +228,89 @@ def test_serve_says_once_that_its_database_is_gone_and_serves_it_again_once_back
     admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
     name = sa.make_url(postgres_url).database
     # A copy to restore it from in one statement (an empty database without the schema
-    # in between is another state; not this test's)
+    # in between is another state: the next test's)
     with admin.connect() as conn:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}_copy" TEMPLATE "{name}"')
-    lines: list[str] = []
-    process = subprocess.Popen(
-        [str(SCHEDULER_LIB), "serve", "--db", postgres_url],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.append(line.rstrip("\n"))
-
-    reading = threading.Thread(target=read, daemon=True)
-    reading.start()
+    serve = _Serving(postgres_url)
     try:
-        poll(
-            lambda: any("serving" in line for line in lines),
-            60,
-            "serve to start",
-            explain=lambda: lines,
-        )
         # Given its database dropped under it: every connection is refused for good
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
         # Then it says so, naming the cause (first, maybe, a connection lost to the DROP)
         poll(
-            lambda: any("unavailable" in line and "does not exist" in line for line in lines),
+            serve.said("unavailable", "does not exist"),
             30,
             "serve to say that its database is unavailable",
-            explain=lambda: lines[-20:],
+            explain=lambda: serve.tail(20),
         )
-        # And it says nothing more while its loops keep failing (the timer thread's
-        # each second, the activation supervisor's, the heartbeat's): a few lines, not a
-        # traceback per loop per turn (before: some 2,000 lines in 10 s)
-        said = len(lines)
-        time.sleep(3)  # a window to count lines in, three turns of the timer thread
-        assert process.poll() is None, lines[-20:]
-        assert not [line for line in lines if "Traceback" in line], lines[-40:]
-        assert len(lines) - said <= 5, lines[said:]
+        # And it says nothing more while its loops keep failing
+        serve.says_little()
         # When the database is restored, Then it serves it: a task runs
         with admin.connect() as conn:
             conn.exec_driver_sql(f'CREATE DATABASE "{name}" TEMPLATE "{name}_copy"')
-        broker = Broker(postgres_url, timers=False)
-        try:
-            report = TaskScheduler(broker).run_waves([[Task.sql("SELECT 1")]], timeout=60)
-            assert report.ok, report.completions
-        finally:
-            broker.close()
-        poll(lambda: any("is back" in line for line in lines), 30, "serve to say it is back")
-        back = len(lines)
+        _runs_a_task(postgres_url)
+        poll(serve.said("is back"), 30, "serve to say it is back")
+        back = len(serve.lines)
         # And a SIGTERM while its database is gone again stops it as usual, without a
         # traceback either (it unregisters its waiters on the way out)
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
         poll(
-            lambda: any("unavailable" in line for line in lines[back:]),
+            serve.said("unavailable", since=back),
             30,
             "serve to say again that its database is unavailable",
-            explain=lambda: lines[-20:],
+            explain=lambda: serve.tail(20),
         )
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0, lines[-20:]
-        reading.join(10)
-        assert not [line for line in lines if "Traceback" in line], lines[-40:]
+        assert serve.stop() == 0, serve.tail(20)
+        assert not serve.tracebacks(), serve.tail(len(serve.lines))
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
-        reading.join(10)
+        serve.close()
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}_copy"')
+        admin.dispose()
+
+
+def test_serve_says_once_that_its_database_is_empty_and_serves_it_once_initialized(
+    postgres_server: str, postgres_url: str
+) -> None:
+    """The documented ``scheduler-lib serve --db URL`` when its database is dropped and
+    created again empty under it (as ``dropdb``, ``createdb`` and a ``pg_restore`` to come
+    do): its tables are gone, not its connections."""
+    broker = Broker(postgres_url, timers=False)
+    init(broker)  # the scheduler's queues: serve has readers on them
+    broker.close()
+    admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    name = sa.make_url(postgres_url).database
+    serve = _Serving(postgres_url)
+    try:
+        _runs_a_task(postgres_url)
+        # Given its database dropped and created again, empty
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        # Then it says in one line that the schema is missing and how to make it
+        poll(
+            serve.said("unavailable", "schema is missing", "scheduler-lib init"),
+            30,
+            "serve to say that its database has no schema",
+            explain=lambda: serve.tail(20),
+        )
+        # And nothing more while its loops keep failing (before: 600 lines in 8 s, a
+        # traceback of "relation ... does not exist" per loop per turn)
+        serve.says_little()
+        # When the user creates the schema as that line says, in a process of their own
+        init_run = subprocess.run(
+            [str(SCHEDULER_LIB), "init", "--db", postgres_url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert init_run.returncode == 0, init_run.stdout + init_run.stderr
+        # Then it serves it again: a task runs, and it says it is back
+        _runs_a_task(postgres_url)
+        poll(serve.said("is back"), 30, "serve to say it is back")
+        assert serve.stop() == 0, serve.tail(20)
+        assert not serve.tracebacks(), serve.tail(len(serve.lines))
+    finally:
+        serve.close()
         admin.dispose()

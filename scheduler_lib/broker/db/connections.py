@@ -79,6 +79,25 @@ def is_lost(exc: BaseException) -> bool:
     return type(exc).__name__ == "OperationalError" and state is None
 
 
+def is_schema_missing(exc: BaseException | None) -> bool:
+    """Whether an error (or one it came from) says that a table of the broker's schema is
+    not there: a database emptied under a running process (a restore under way, a dropped
+    and recreated database), which a restore or ``scheduler-lib init`` ends."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, exceptions.SchemaMissing):
+            return True
+        if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None:
+            exc = exc.orig
+        if getattr(exc, "sqlstate", None) == "42P01":  # PostgreSQL: undefined_table
+            return True
+        if type(exc).__module__ == "sqlite3" and "no such table" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def invalidate(conn: sa.Connection, exc: BaseException) -> None:
     """Throw away ``conn`` and every pooled connection made before it: a server that
     dropped one has dropped them all, and the next caller must get a fresh one."""
@@ -344,7 +363,7 @@ class Availability:
         self._lock = threading.Lock()
         self.unavailable_since: float | None = None  # epoch seconds, while it is away
         self.recovered_at = 0.0  # epoch seconds it last came back after an outage
-        self._said_refused = False  # this outage's refusal for good was logged
+        self._said: set[str] = set()  # what this outage was said to be: lost, refused, schema
         self.last_error: str | None = None
         self._watchers: list[Callable[[Availability], None]] = []
 
@@ -359,24 +378,27 @@ class Availability:
         return self.unavailable_since is None
 
     def mark_lost(self, exc: BaseException) -> None:
-        # Every pool of this database: its other connections died with this one (the
-        # broker's autocommit and no-flush engines have pools of their own).
-        for engine in self._engines():
-            discard_pool(engine)
         refused = isinstance(exc, exceptions.CannotConnect)
+        schema = not refused and not is_lost(exc) and is_schema_missing(exc)
+        if not schema:
+            # Every pool of this database: its other connections died with this one (the
+            # broker's autocommit and no-flush engines have pools of their own).
+            for engine in self._engines():
+                discard_pool(engine)
+        kind = "refused" if refused else "schema" if schema else "lost"
         with self._lock:
             self.last_error = str(exc)
             if self.unavailable_since is not None:
-                # Said once per outage; but an outage that turns out to be a refusal for
-                # good (a connection lost to a DROP DATABASE, then "does not exist") is
-                # said again, once, with that cause: waiting will not end it.
-                if not refused or self._said_refused:
+                # Said once per outage; but an outage that turns out to be one that waiting
+                # alone will not end (a connection lost to a DROP DATABASE, then "does not
+                # exist"; or the database back empty) is said again, once per cause.
+                if kind == "lost" or kind in self._said:
                     return
-                self._said_refused = True
+                self._said.add(kind)
                 watchers = []
             else:
                 self.unavailable_since = time.time()
-                self._said_refused = refused
+                self._said = {kind}
                 watchers = list(self._watchers)
         log.warning("database %s unavailable: %s; retrying", self.database, exc)
         for callback in watchers:
@@ -386,11 +408,12 @@ class Availability:
     def report(self, logger: logging.Logger, what: str, exc: BaseException) -> None:
         """A background loop's failure: an outage is said once, here (not once per
         loop and retry, with a traceback each); anything else is logged with its trace.
-        A connection refused for good (a dropped database, a changed password) is said
-        once too: every loop of a ``serve`` meets it each turn, and its message names
-        the cause; a traceback would only repeat it, a hundred lines a second."""
+        A connection refused for good (a dropped database, a changed password) and a
+        database whose tables are gone (emptied for a restore) are said once too: every
+        loop of a ``serve`` meets them each turn, and the message names the cause; a
+        traceback would only repeat it, a hundred lines a second."""
         away = exceptions.DatabaseUnavailable | exceptions.CannotConnect
-        if isinstance(exc, away) or is_lost(exc):
+        if isinstance(exc, away) or is_lost(exc) or is_schema_missing(exc):
             self.mark_lost(exc)
         else:
             logger.warning("%s", what, exc_info=exc)

@@ -6,6 +6,7 @@ named queries from ``sql/queries*.sql``.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,6 +16,20 @@ from sqlalchemy import exc as sa_exc
 
 from scheduler_lib.broker import exceptions
 from scheduler_lib.broker.db import connections, dialects, queries
+
+
+class _PipelineExitAfterError(logging.Filter):
+    """psycopg logs "error ignored terminating <Pipeline>" when leaving a pipeline block
+    that a statement's error is already leaving: the same error again (the pipeline is
+    aborted), while the first one goes on to the caller, who says it. A database emptied
+    under a ``serve`` printed it at each look of each reader, thousands of lines a
+    second; the error itself is still said, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("error ignored terminating")
+
+
+logging.getLogger("psycopg").addFilter(_PipelineExitAfterError())
 
 TUPLES_OK = 2  # libpq's PGRES_TUPLES_OK: a statement that returned rows succeeded
 
@@ -367,7 +382,19 @@ def database_error(
                 "nothing of this transaction was written",
                 hint="free space on its disk, then try again",
             )
-    return exceptions.DatabaseError(f"{name}: {one_line(exc.orig)}")
+    return _server_error(name, exc.orig)
+
+
+def _server_error(name: str, error: BaseException | None) -> exceptions.DatabaseError:
+    """A server error as the broker's: a table of its schema missing (a database emptied
+    for a restore under a running ``serve``) says how to make it; any other, what it is."""
+    if connections.is_schema_missing(error):
+        return exceptions.SchemaMissing(
+            f"{name}: {one_line(error)}",
+            hint="its scheduler_lib schema is missing (a restore under way?): restore it, "
+            "or create it with scheduler-lib init --db URL",
+        )
+    return exceptions.DatabaseError(f"{name}: {one_line(error)}")
 
 
 def one_line(error: object) -> str:
@@ -459,7 +486,7 @@ def _driver_error(conn: sa.Connection, name: str, exc: Exception) -> Exception:
     state = getattr(exc, "sqlstate", None)
     if state is not None and state.startswith("23"):  # integrity constraint violation
         return _constraint_error(name, exc)
-    return exceptions.DatabaseError(f"{name}: {one_line(exc)}")
+    return _server_error(name, exc)
 
 
 def _integrity_error(name: str, exc: sa_exc.IntegrityError) -> exceptions.BrokerError:
