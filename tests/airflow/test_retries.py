@@ -258,12 +258,16 @@ def test_fail_fast_cancels_the_rest_of_the_wave_at_the_first_failure(
     # more than 3 s after the failure: one more sibling may have run by then
     seen_late = dag_id == "test_fail_fast_sensor"
     assert statuses.count("CANCELLED") >= (4 if seen_late else 5), statuses
-    cancelled_at = min(r["end_time"] for r in others if r["status"] == "CANCELLED")
-    # And no sibling started after the cancel; only one already running went on, and
-    # the rest of the wave (18 s more) stopped: the bound leaves a loaded machine 5 s
+    unstarted = [r for r in others if r["status"] == "CANCELLED"]
+    cancelled_at = min(r["end_time"] for r in unstarted)
+    # And they were cancelled together (one statement), not one by one as readers came
+    # to them; no sibling started after the cancel, and only one already running went on
+    # (a sleep cannot be interrupted: it ends on its own). Its end is not bounded here:
+    # under the suite's load its row once ended 19 s after the cancel, a 3-s sleep
+    # started before it (a stall of that process's SQLite commits), which says nothing
+    # about the cancel.
+    assert max(r["end_time"] for r in unstarted) - cancelled_at < 1, unstarted
     assert all(r["start_time"] < cancelled_at for r in others if r["status"] == "SUCCEEDED")
-    ended = max(r["end_time"] for r in rows.values())
-    assert ended - cancelled_at < 3 + 5, "the rest of the wave was not stopped at once"
     if not seen_late:
         assert cancelled_at - rows["broken"]["end_time"] < 3, "the failure was seen late"
     assert "never" not in rows
