@@ -180,6 +180,7 @@ class Broker(
         self._async_engine_lock = threading.Lock()
         if migrate:
             self.retrying(lambda: _migrating(self._engine), what="migrate")
+        self._file = connections.DatabaseFile(self._engine.url)
         self.clock = clock
         # SQLite: one writing transaction at a time, handed over in turn inside a process.
         self._write_gate: threading.RLock | None = (
@@ -582,8 +583,25 @@ class Broker(
             fired += poisoning.redeliver_parked(tx.session, time.time())
         return fired
 
+    def _reopen_if_moved(self) -> None:
+        """SQLite: a database file removed or replaced under this process is opened again
+        from its path (a removed one: a new, empty file, said once more as a missing
+        schema until ``scheduler-lib init`` or a restore makes it)."""
+        moved = self._file.moved()
+        if moved is None:
+            return
+        for engine in self._engines():
+            connections.discard_pool(engine)
+        log.warning(
+            "the SQLite database file %s was %s under this process: opening it again",
+            self._file.path,
+            moved,
+        )
+
     def _run_timers(self) -> None:
         while not self._closed.is_set():
+            # The timer thread looks each second: the process's one watcher of its file.
+            self._reopen_if_moved()
             try:
                 while self.fire_timers():
                     pass

@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from multiproc import poll
+from serving import Serving, runs_a_task
 
 from scheduler_lib.broker import Broker, ConnectionLost
 from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
@@ -155,68 +154,6 @@ def test_a_reader_whose_database_is_gone_tries_again_slower_and_slower(
         broker.close()
 
 
-class _Serving:
-    """The documented ``scheduler-lib serve --db URL`` in its own process, with default
-    settings, and the lines it prints (stdout and stderr, as a terminal shows them)."""
-
-    def __init__(self, url: str) -> None:
-        self.lines: list[str] = []
-        self.process = subprocess.Popen(
-            [str(SCHEDULER_LIB), "serve", "--db", url],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self._reading = threading.Thread(target=self._read, daemon=True)
-        self._reading.start()
-        poll(self.said("serving"), 60, "serve to start", explain=lambda: self.lines)
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def said(self, *words: str, since: int = 0) -> Callable[[], bool]:
-        return lambda: any(all(w in line for w in words) for line in self.lines[since:])
-
-    def says_little(self) -> None:
-        """It says nothing more while its loops keep failing (the timer thread's each
-        second, the activation supervisor's, the heartbeat's): a few lines, no traceback
-        — not a traceback per loop per turn (before: some 2,000 lines in 10 s)."""
-        said = len(self.lines)
-        time.sleep(3)  # a window to count lines in, three turns of the timer thread
-        assert self.process.poll() is None, self.tail(20)
-        assert not self.tracebacks(), self.tail(len(self.lines))
-        assert len(self.lines) - said <= 5, "\n".join(self.lines[said:])
-
-    def tail(self, count: int = 60) -> str:
-        return "\n".join(self.lines[-count:])
-
-    def tracebacks(self) -> list[str]:
-        return [line for line in self.lines if "Traceback" in line]
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(30)
-        self._reading.join(10)
-        return code
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-        self._reading.join(10)
-
-
-def _runs_a_task(url: str) -> None:
-    broker = Broker(url, timers=False)
-    try:
-        report = TaskScheduler(broker).run_waves([[Task.sql("SELECT 1")]], timeout=60)
-        assert report.ok, report.completions
-    finally:
-        broker.close()
-
-
 def test_serve_says_once_that_its_database_is_gone_and_serves_it_again_once_back(
     postgres_server: str, postgres_url: str
 ) -> None:
@@ -231,7 +168,7 @@ def test_serve_says_once_that_its_database_is_gone_and_serves_it_again_once_back
     # in between is another state: the next test's)
     with admin.connect() as conn:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}_copy" TEMPLATE "{name}"')
-    serve = _Serving(postgres_url)
+    serve = Serving(postgres_url)
     try:
         # Given its database dropped under it: every connection is refused for good
         with admin.connect() as conn:
@@ -248,7 +185,7 @@ def test_serve_says_once_that_its_database_is_gone_and_serves_it_again_once_back
         # When the database is restored, Then it serves it: a task runs
         with admin.connect() as conn:
             conn.exec_driver_sql(f'CREATE DATABASE "{name}" TEMPLATE "{name}_copy"')
-        _runs_a_task(postgres_url)
+        runs_a_task(postgres_url)
         poll(serve.said("is back"), 30, "serve to say it is back")
         back = len(serve.lines)
         # And a SIGTERM while its database is gone again stops it as usual, without a
@@ -281,9 +218,9 @@ def test_serve_says_once_that_its_database_is_empty_and_serves_it_once_initializ
     broker.close()
     admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
     name = sa.make_url(postgres_url).database
-    serve = _Serving(postgres_url)
+    serve = Serving(postgres_url)
     try:
-        _runs_a_task(postgres_url)
+        runs_a_task(postgres_url)
         # Given its database dropped and created again, empty
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
@@ -307,7 +244,7 @@ def test_serve_says_once_that_its_database_is_empty_and_serves_it_once_initializ
         )
         assert init_run.returncode == 0, init_run.stdout + init_run.stderr
         # Then it serves it again: a task runs, and it says it is back
-        _runs_a_task(postgres_url)
+        runs_a_task(postgres_url)
         poll(serve.said("is back"), 30, "serve to say it is back")
         assert serve.stop() == 0, serve.tail(20)
         assert not serve.tracebacks(), serve.tail(len(serve.lines))

@@ -340,6 +340,42 @@ PERMANENT = (
 )
 
 
+class DatabaseFile:
+    """SQLite: the database file this process opened, and whether its path still names
+    that file. A file removed under a running process (``rm`` to start afresh) or
+    replaced (a copy put back) leaves the process's open connections on the old one,
+    which nobody else reaches: its readers served a file nobody could send to, and said
+    nothing. (PostgreSQL, an in-memory or a URI database: nothing to watch.)"""
+
+    def __init__(self, url: sa.URL) -> None:
+        path = url.database or ""
+        watched = url.get_backend_name() == "sqlite" and path not in ("", ":memory:")
+        self.path = path if watched and not path.startswith("file:") else None
+        self._identity = self._stat()
+
+    def _stat(self) -> tuple[int, int] | None:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        except OSError:  # unreadable now: not a change this can tell
+            return self._identity
+        return (st.st_dev, st.st_ino)
+
+    def moved(self) -> str | None:
+        """``"removed"`` or ``"replaced"`` when the path no longer names the file this
+        process opened (said once per change), else ``None``."""
+        if self.path is None:
+            return None
+        now = self._stat()
+        before, self._identity = self._identity, now
+        if now == before or before is None:  # (a file that appeared: none of ours left)
+            return None
+        return "removed" if now is None else "replaced"
+
+
 class Availability:
     """Whether one database is reachable, as this process last saw it, and the retry loop
     that rides through it being away.

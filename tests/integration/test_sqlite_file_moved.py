@@ -1,0 +1,74 @@
+"""The embedded default's file removed or replaced under a running ``scheduler-lib serve``
+(``rm`` to start afresh, a backup copied back): serve says so and serves the file its path
+names now — before, it went on serving the old file, which nobody else could reach, and
+the user's tasks waited forever."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from multiproc import poll
+from serving import SCHEDULER_LIB, Serving, runs_a_task
+
+from scheduler_lib.broker import Broker
+from scheduler_lib.scheduler import init
+
+
+def _remove(db: Path) -> None:
+    for path in db.parent.glob(db.name + "*"):  # the file, its -wal and -shm
+        path.unlink()
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_serve_follows_its_sqlite_file_when_it_is_removed_or_replaced(
+    tmp_path: Path, how: str
+) -> None:
+    db = tmp_path / "scheduler.db"
+    url = f"sqlite:///{db}"
+    backup = tmp_path / "backup.db"
+    with Broker(f"sqlite:///{backup}", timers=False) as broker:
+        init(broker)  # a copy to put back, made as a user's would be
+    with Broker(url, timers=False) as broker:
+        init(broker)
+    serve = Serving(url)
+    try:
+        runs_a_task(url)
+        # Given its file removed under it, or replaced by another one
+        if how == "removed":
+            _remove(db)
+        else:
+            staged = tmp_path / "staged.db"
+            shutil.copy(backup, staged)
+            staged.replace(db)  # one rename, as a restore script would do it
+        # Then it says so
+        poll(
+            serve.said("SQLite database file", how),
+            30,
+            f"serve to say its file was {how}",
+            explain=serve.tail,
+        )
+        if how == "removed":
+            # And, the file it opens again being empty, how to make it, once
+            poll(
+                serve.said("schema is missing", "scheduler-lib init"),
+                30,
+                "serve to say the schema is missing",
+                explain=serve.tail,
+            )
+            serve.says_little()
+            made = subprocess.run(
+                [str(SCHEDULER_LIB), "init", "--db", url],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert made.returncode == 0, made.stdout + made.stderr
+        # When a task is sent to the file its path names now, Then serve runs it
+        runs_a_task(url)
+        assert serve.stop() == 0, serve.tail()
+        assert not serve.tracebacks(), serve.tail(len(serve.lines))
+    finally:
+        serve.close()
