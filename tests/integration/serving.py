@@ -63,6 +63,11 @@ class Serving:
     def tracebacks(self) -> list[str]:
         return [line for line in self.lines if "Traceback" in line]
 
+    def stops_cleanly(self) -> None:
+        """SIGTERM stops it as usual: exit 0, and no traceback said on the way."""
+        assert self.stop() == 0, self.tail()
+        assert not self.tracebacks(), self.tail(len(self.lines))
+
     def stop(self) -> int:
         self.process.send_signal(signal.SIGTERM)
         code = self.process.wait(30)
@@ -84,3 +89,11 @@ def runs_a_task(url: str) -> None:
         assert report.ok, report.completions
     finally:
         broker.close()
+
+
+def init_by_hand(url: str) -> None:
+    """``scheduler-lib init --db URL`` as a user runs it, in a process of its own."""
+    made = subprocess.run(
+        [str(SCHEDULER_LIB), "init", "--db", url], capture_output=True, text=True, timeout=120
+    )
+    assert made.returncode == 0, made.stdout + made.stderr

@@ -7,23 +7,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from multiproc import poll
-from serving import Serving, runs_a_task
+from serving import Serving, init_by_hand, runs_a_task
 
 from scheduler_lib.broker import Broker, ConnectionLost
 from scheduler_lib.scheduler import Executor, Target, Task, TaskScheduler, init
 
 pytestmark = pytest.mark.postgres
-
-SCHEDULER_LIB = Path(sys.executable).with_name("scheduler-lib")
 
 
 def _kill_our_backends(url: str) -> int:
@@ -236,18 +231,11 @@ def test_serve_says_once_that_its_database_is_empty_and_serves_it_once_initializ
         # traceback of "relation ... does not exist" per loop per turn)
         serve.says_little()
         # When the user creates the schema as that line says, in a process of their own
-        init_run = subprocess.run(
-            [str(SCHEDULER_LIB), "init", "--db", postgres_url],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert init_run.returncode == 0, init_run.stdout + init_run.stderr
+        init_by_hand(postgres_url)
         # Then it serves it again: a task runs, and it says it is back
         runs_a_task(postgres_url)
         poll(serve.said("is back"), 30, "serve to say it is back")
-        assert serve.stop() == 0, serve.tail(20)
-        assert not serve.tracebacks(), serve.tail(len(serve.lines))
+        serve.stops_cleanly()
     finally:
         serve.close()
         admin.dispose()

@@ -6,12 +6,11 @@ the user's tasks waited forever."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from multiproc import poll
-from serving import SCHEDULER_LIB, Serving, runs_a_task
+from serving import Serving, init_by_hand, runs_a_task
 
 from scheduler_lib.broker import Broker
 from scheduler_lib.scheduler import init
@@ -59,16 +58,9 @@ def test_serve_follows_its_sqlite_file_when_it_is_removed_or_replaced(
                 explain=serve.tail,
             )
             serve.says_little()
-            made = subprocess.run(
-                [str(SCHEDULER_LIB), "init", "--db", url],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert made.returncode == 0, made.stdout + made.stderr
+            init_by_hand(url)
         # When a task is sent to the file its path names now, Then serve runs it
         runs_a_task(url)
-        assert serve.stop() == 0, serve.tail()
-        assert not serve.tracebacks(), serve.tail(len(serve.lines))
+        serve.stops_cleanly()
     finally:
         serve.close()
