@@ -600,9 +600,9 @@ class Broker(
 
     def _run_timers(self) -> None:
         while not self._closed.is_set():
-            # The timer thread looks each second: the process's one watcher of its file.
-            self._reopen_if_moved()
             try:
+                # This thread looks each second: the process's one watcher of its file.
+                self._reopen_if_moved()
                 while self.fire_timers():
                     pass
                 # A snapshot: on SQLite it stays out of the write gate

@@ -202,9 +202,7 @@ class Executor:
                 # reader; an outage is not idleness. What it held went back to the queue
                 # or expires. (Other errors, e.g. SQLite's busy database, are tried again
                 # at once, as before.)
-                if not isinstance(exc, CannotConnect | SchemaMissing):
-                    log.warning("executor on %s: %s", self.queue, exc)
-                else:
+                if isinstance(exc, CannotConnect | SchemaMissing):
                     self.broker.availability.report(log, f"executor on {self.queue}", exc)
                     pause = min(POLL, FAILED_LOOK_PAUSE * 2 ** min(refused, 10))
                     refused += 1
@@ -212,6 +210,8 @@ class Executor:
                         stop.wait(pause)
                     else:
                         time.sleep(pause)
+                else:
+                    log.warning("executor on %s: %s", self.queue, exc)
                 idle_since = time.monotonic()
                 continue
             refused = 0

@@ -8,6 +8,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from scheduler_lib.broker import Broker, DatabaseError
 from scheduler_lib.broker.db import connections
@@ -42,3 +43,12 @@ def test_a_missing_table_is_said_once_with_its_cure(
         assert next(r for r in caplog.records if r.getMessage() == "firing failed").exc_info
     finally:
         broker.close()
+
+
+def test_a_database_file_it_cannot_look_at_is_no_change(tmp_path: Path) -> None:
+    # Given a SQLite path in a directory this process may not search (as root: chmod
+    # does not stop it, so an unreadable path is staged as a name that is too long)
+    path = tmp_path / ("x" * 300) / "broker.db"
+    # When it is watched, Then it is neither a crash nor a change
+    watched = connections.DatabaseFile(sa.make_url(f"sqlite:///{path}"))
+    assert watched.moved() is None

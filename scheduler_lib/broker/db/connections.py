@@ -351,6 +351,7 @@ class DatabaseFile:
         path = url.database or ""
         watched = url.get_backend_name() == "sqlite" and path not in ("", ":memory:")
         self.path = path if watched and not path.startswith("file:") else None
+        self._identity: tuple[int, int] | None = None  # (device, inode) it names now
         self._identity = self._stat()
 
     def _stat(self) -> tuple[int, int] | None:
