@@ -587,15 +587,14 @@ class Broker(
         """SQLite: a database file removed or replaced under this process is opened again
         from its path (a removed one: a new, empty file, said once more as a missing
         schema until ``scheduler-lib init`` or a restore makes it)."""
-        moved = self._file.moved()
-        if moved is None:
+        if not self._file.moved():
             return
         for engine in self._engines():
             connections.discard_pool(engine)
         log.warning(
-            "the SQLite database file %s was %s under this process: opening it again",
+            "the SQLite database file %s was removed or replaced under this process: "
+            "opening it again",
             self._file.path,
-            moved,
         )
 
     def _run_timers(self) -> None:

@@ -51,4 +51,4 @@ def test_a_database_file_it_cannot_look_at_is_no_change(tmp_path: Path) -> None:
     path = tmp_path / ("x" * 300) / "broker.db"
     # When it is watched, Then it is neither a crash nor a change
     watched = connections.DatabaseFile(sa.make_url(f"sqlite:///{path}"))
-    assert watched.moved() is None
+    assert not watched.moved()

@@ -365,16 +365,15 @@ class DatabaseFile:
             return self._identity
         return (st.st_dev, st.st_ino)
 
-    def moved(self) -> str | None:
-        """``"removed"`` or ``"replaced"`` when the path no longer names the file this
-        process opened (said once per change), else ``None``."""
+    def moved(self) -> bool:
+        """Whether the path no longer names the file this process opened (once per
+        change). Removed or replaced cannot be told apart: a connection of another thread
+        may already have made a new, empty file where one was removed."""
         if self.path is None:
-            return None
+            return False
         now = self._stat()
         before, self._identity = self._identity, now
-        if now == before or before is None:  # (a file that appeared: none of ours left)
-            return None
-        return "removed" if now is None else "replaced"
+        return now != before and before is not None  # (one that appeared: none of ours)
 
 
 class Availability:
