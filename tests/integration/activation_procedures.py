@@ -110,6 +110,9 @@ def reader(broker: Any, queue: str) -> None:
                 with open(spec["pid_file"], "w", encoding="utf-8") as pid_file:
                     pid_file.write(str(os.getpid()))
             _handle(spec, "tx")
+        # "start" is recorded before the RECEIVE commits; what others see of the queue
+        # (messages ready, the monitor) changes only with "taken".
+        record("taken", n=spec.get("n"))
         _handle(spec, "after")
         out_file = spec.get("out_file")
         if out_file is not None:

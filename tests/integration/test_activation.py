@@ -156,8 +156,9 @@ def event_count(kind: str, count: int) -> Callable[[], bool]:
 
 
 def started_count(count: int) -> Callable[[], bool]:
-    """A predicate: exactly ``count`` messages were taken by readers."""
-    return lambda: len(procs.events("start")) == count
+    """A predicate: exactly ``count`` messages were taken by readers (their RECEIVEs
+    committed)."""
+    return lambda: len(procs.events("taken")) == count
 
 
 def ensure_monitor(broker: Broker, queue: str = WORK) -> None:
@@ -276,7 +277,7 @@ def test_idle_queue_starts_nothing_and_a_first_message_starts_one_reader(
         send_jobs(clocked, [{"n": 1, "hold": "after"}])
         assert runtime.check(WORK) == Decision(WORK, True, 0, 1, 0)
         assert activations("started") == started + 1  # /metrics counts the reader started
-        wait_for(lambda: numbers("start") == [1], "the reader to take message 1")
+        wait_for(lambda: numbers("taken") == [1], "the reader to take message 1")
         # A reader runs: another arrival alone starts nobody (rule (b) needs the grace).
         send_jobs(clocked, [{"n": 2}])
         assert runtime.check(WORK) == Decision(WORK, True, 1, 0, 0)
@@ -555,15 +556,15 @@ def test_alter_max_queue_readers_takes_effect(clocked: Broker, clock: FakeClock)
     runtime = ActivationRuntime(clocked, clock=clock, empty_grace=GRACE, check_interval=LONG)
     send_jobs(clocked, [{"n": i, "hold": "after"} for i in range(20)])
     with started(runtime):
-        wait_for(lambda: len(numbers("start")) == 1, "the first reader (rule a)")
+        wait_for(lambda: len(numbers("taken")) == 1, "the first reader (rule a)")
         clock.advance(GRACE)
         assert runtime.check(WORK) == Decision(WORK, True, 1, 0, 0)  # at the maximum
 
         clocked.alter_queue(WORK, max_queue_readers=3)  # the ALTER wakes the monitor
-        wait_for(lambda: len(numbers("start")) == 2, "a second reader after ALTER")
+        wait_for(lambda: len(numbers("taken")) == 2, "a second reader after ALTER")
         clock.advance(GRACE)
         runtime.poke(WORK)
-        wait_for(lambda: len(numbers("start")) == 3, "a third reader")
+        wait_for(lambda: len(numbers("taken")) == 3, "a third reader")
         clock.advance(GRACE)
         assert runtime.check(WORK) == Decision(WORK, True, 3, 0, 0)
 
@@ -700,7 +701,7 @@ def test_activated_tasks_and_queue_monitors_show_the_readers(
         send_jobs(clocked, [{"n": 1, "hold": "after"}, {"n": 2}])
         started_at = clock.now
         assert decide(runtime).readers_started == 1
-        wait_for(lambda: numbers("start"), "the reader to take a message")
+        wait_for(lambda: numbers("taken"), "the reader to take a message")
         [task] = tasks(clocked)
         assert task["procedure_name"] == PROCEDURE
         assert task["execute_as"] == EXECUTE_AS
@@ -737,7 +738,7 @@ def test_cli_queues_prints_the_queue_and_its_readers(
     try:
         send_jobs(clocked, [{"n": 1, "hold": "after"}])
         assert decide(runtime).readers_started == 1
-        wait_for(lambda: numbers("start"), "the reader to take a message")
+        wait_for(lambda: numbers("taken"), "the reader to take a message")
         result = subprocess.run(
             [str(SCHEDULER_LIB), "queues", "--db", db_url],
             env=child_env(),
