@@ -8,6 +8,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +60,8 @@ class Transaction(
         self, broker: Broker, *, autocommit: bool = False, engine: sa.Engine | None = None
     ) -> None:
         self._broker = broker
+        if broker._file_watch_in_transactions:
+            broker._look_at_file()
         #: the connection and what this transaction's operations did (the broker's own
         #: operations use it; a layer above uses the named-query methods below)
         self.session = session.Session(broker._shared, autocommit=autocommit, engine=engine)
@@ -181,6 +184,13 @@ class Broker(
         if migrate:
             self.retrying(lambda: _migrating(self._engine), what="migrate")
         self._file = connections.DatabaseFile(self._engine.url)
+        # Without a timer thread (the Airflow page's and triggerer's brokers, which only
+        # read) the transactions look at the SQLite file, at most once a second: such a
+        # broker otherwise read the file it first opened for ever, and a sensor waited on
+        # a file nobody wrote any more.
+        self._file_watch_in_transactions = not timers and self._file.path is not None
+        self._file_looked_at = -math.inf  # time.monotonic() of the last look
+        self._file_look = threading.Lock()
         self.clock = clock
         # SQLite: one writing transaction at a time, handed over in turn inside a process.
         self._write_gate: threading.RLock | None = (
@@ -596,6 +606,21 @@ class Broker(
             "opening it again",
             self._file.path,
         )
+
+    def _look_at_file(self) -> None:
+        """:meth:`_reopen_if_moved` from a transaction's start, at most once a second and
+        by one thread at a time (the others go on: a look a second late changes
+        nothing)."""
+        now = time.monotonic()
+        if now - self._file_looked_at < TIMER_POLL_INTERVAL or not self._file_look.acquire(
+            blocking=False
+        ):
+            return
+        try:
+            self._file_looked_at = now
+            self._reopen_if_moved()
+        finally:
+            self._file_look.release()
 
     def _run_timers(self) -> None:
         while not self._closed.is_set():

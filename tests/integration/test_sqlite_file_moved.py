@@ -65,3 +65,33 @@ def test_serve_follows_its_sqlite_file_when_it_is_removed_or_replaced(
         serve.stops_cleanly()
     finally:
         serve.close()
+
+
+def test_a_broker_without_timers_reads_the_file_its_path_names_now(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Airflow page's and the triggerer's brokers have no timer thread (they only
+    read): their transactions look at the file instead. Before, they read the replaced file
+    for ever, and a deferred sensor waited on a wave nobody could end."""
+    db, backup, staged = tmp_path / "scheduler.db", tmp_path / "backup.db", tmp_path / "staged"
+    with Broker(f"sqlite:///{backup}", timers=False) as broker:
+        broker.create_queue("Restored")  # what tells the copy from the file it replaces
+    with Broker(f"sqlite:///{db}", timers=False) as broker:
+        broker.create_queue("Replaced")
+    # As hooks.shared_broker makes them for the page and the triggers
+    with Broker(f"sqlite:///{db}", migrate=False, timers=False) as reader:
+
+        def names() -> set[str]:
+            return {q.name for q in reader.queues()} & {"Restored", "Replaced"}
+
+        assert names() == {"Replaced"}
+        shutil.copy(backup, staged)
+        staged.replace(db)  # one rename, as a restore script would do it
+        poll(lambda: names() == {"Restored"}, 10, "the reader to read the restored file")
+        for _ in range(3):
+            assert names() == {"Restored"}
+    said = [r.getMessage() for r in caplog.records if "was removed or replaced" in r.getMessage()]
+    assert said == [
+        f"the SQLite database file {db} was removed or replaced under this "
+        "process: opening it again"
+    ]
