@@ -14,7 +14,7 @@ import signal
 import sqlite3
 import sys
 import threading
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -173,7 +173,7 @@ def _run(args: argparse.Namespace) -> int:
     from scheduler_lib.spark.worker import PROCEDURE as SPARK_PROCEDURE
 
     plan = load_plan(args.plan)
-    with Broker(args.db) as broker:
+    with Broker(args.db) as broker, _interruptible() as interrupted:
         runner = PlanRunner(
             broker,
             plan,
@@ -185,7 +185,58 @@ def _run(args: argparse.Namespace) -> int:
             as_json=args.json,
             reader_wait=None if args.wait_for_readers else args.reader_wait,
         )
-        return runner.run()
+        try:
+            return runner.run()
+        except KeyboardInterrupt as exc:
+            # Ctrl-C, or SIGTERM (`timeout`, a supervisor): the scheduler was released as
+            # the interrupt left its block. One line says what that did to the tasks.
+            print(
+                f"scheduler-lib: {_interrupted_line(runner.handle, exc, broker)}", file=sys.stderr
+            )
+            return 128 + interrupted.get("signal", signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[dict[str, int]]:
+    """SIGINT and SIGTERM interrupt the main thread (Python's default ends the process at
+    a SIGTERM without unwinding: the plan's scheduler stayed open and its queued tasks ran
+    on); the signal that came last is in the dict yielded. The handlers before are put
+    back at the end."""
+    came: dict[str, int] = {}
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        came["signal"] = signum
+        raise KeyboardInterrupt  # where the main thread is, as Ctrl-C does
+
+    if threading.current_thread() is not threading.main_thread():
+        yield came  # (only the main thread may set handlers: in-process callers of main)
+        return
+    before = {
+        signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield came
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def _interrupted_line(handle: Any, exc: BaseException, broker: Broker) -> str:
+    """What an interrupted ``run`` did to its tasks, in one line."""
+    if handle is None:
+        return "interrupted before the plan's scheduler began: nothing was sent"
+    url = broker.url.render_as_string(hide_password=True)
+    if isinstance(exc.__context__, KeyboardInterrupt):
+        # Interrupted again while the first interrupt released the scheduler.
+        return (
+            f"interrupted again while releasing scheduler {handle}: its queued tasks may "
+            f"still run; see `scheduler-lib status --db {url}`"
+        )
+    return (
+        f"interrupted: scheduler {handle} released: its queued tasks were cancelled and "
+        f"its running ones asked to stop; `scheduler-lib status --db {url}` shows how they "
+        "ended"
+    )
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -1122,6 +1173,12 @@ def main(argv: list[str] | None = None) -> int:
 
             prefetch_setting()
         return int(args.run(args))
+    except KeyboardInterrupt:
+        if args.verbose:
+            raise
+        # (`run` says more where it can: what became of its tasks)
+        print("scheduler-lib: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except Exception as exc:
         if args.verbose:
             raise

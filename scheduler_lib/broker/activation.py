@@ -565,8 +565,8 @@ class ActivationRuntime:
                 self.broker.availability.report(log, "activation heartbeat failed", exc)
 
     def heartbeat(self) -> int:
-        """Vouch for this runtime's readers and remove readers nobody vouched for within
-        ``heartbeat_expiry`` (their runtime died).
+        """Vouch for this runtime's readers and the queues it monitors, and remove readers
+        nobody vouched for within ``heartbeat_expiry`` (their runtime died).
 
         :return: how many dead readers were removed
         """
@@ -580,6 +580,12 @@ class ActivationRuntime:
             for task_id in gone:
                 tx.session.execute("task_delete", task_id=task_id)
             tx.session.execute("tasks_heartbeat", runtime_id=self.runtime_id, now=now)
+            with self._lock:
+                monitored = [q for q, thread in self._monitors.items() if thread.is_alive()]
+            for queue in monitored:
+                # Idle, a monitor writes nothing else: without this, a `serve` idle for
+                # a while looked gone to `scheduler-lib run`, which refused the plan.
+                tx.session.execute("monitor_served", queue=queue, now=now)
             # Only once the runtimes had a whole expiry to vouch for their readers since
             # the database was last back: a live reader is never lost to an outage.
             expired = tx.session.count(

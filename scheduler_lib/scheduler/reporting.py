@@ -19,7 +19,7 @@ from scheduler_lib.broker import Broker, activation
 from scheduler_lib.broker.db.connections import Availability
 from scheduler_lib.broker.exceptions import BrokerError, InvalidArgument
 from scheduler_lib.scheduler import catalog
-from scheduler_lib.scheduler.client import Completion, RunReport, TaskScheduler
+from scheduler_lib.scheduler.client import Completion, RunReport, SchedulerHandle, TaskScheduler
 from scheduler_lib.scheduler.errors import PlanError, WaveFailed
 from scheduler_lib.scheduler.plan import Plan
 
@@ -59,6 +59,7 @@ class PlanRunner:
         self.scheduler = TaskScheduler(broker, target=chosen) if chosen else TaskScheduler(broker)
         self.serve = serve
         self.as_json = as_json
+        self.handle: SchedulerHandle | None = None  # the plan's scheduler, once it began
         self.out = _console()
         self.err = Console(stderr=True)
 
@@ -85,6 +86,7 @@ class PlanRunner:
                     max_in_flight=self.max_in_flight,
                     timeout=self.plan.timeout,
                     on_completion=advance,
+                    on_start=self._began,
                 )
             except WaveFailed as failed:
                 error, report = failed, failed.report
@@ -101,6 +103,9 @@ class PlanRunner:
             if error is not None:
                 self.err.print(f"[red]stopped (fail_fast):[/] {error}")
         return 0 if report.ok else 1
+
+    def _began(self, handle: SchedulerHandle) -> None:
+        self.handle = handle
 
     def _wait_for_readers(self, queue: str) -> None:
         """Something must serve the target queue: a `scheduler-lib serve` or `worker`

@@ -698,6 +698,11 @@ UPDATE queue_monitors SET last_notified_at = :now, notified_head_message_id = :h
     state = 'NOTIFIED', updated_at = :now
 WHERE queue_name = :queue;
 
+-- name: monitor_served
+-- A runtime that runs this queue's monitor vouches for it at each heartbeat, idle or not:
+-- a fresh updated_at says the queue is served (what `scheduler-lib run` waits for).
+UPDATE queue_monitors SET updated_at = :now WHERE queue_name = :queue;
+
 -- name: monitor_idle
 -- Nothing to do on the queue.
 UPDATE queue_monitors SET state = 'INACTIVE', updated_at = :now
