@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -132,3 +133,23 @@ def test_a_run_interrupted_before_it_sent_anything_says_so(sqlite_url: str, tmp_
             "scheduler-lib: interrupted before the plan's scheduler began: nothing was sent"
         )
     assert _rows(sqlite_url) == []
+
+
+def test_any_command_interrupted_says_so_in_one_line(tmp_path: Path) -> None:
+    """A command stuck on a server that accepts connections and never answers (a hung
+    proxy): Ctrl-C ends it with one line, not a traceback."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        url = f"postgresql://postgres:S3cretPW@127.0.0.1:{port}/hung"
+        with Processes(tmp_path) as processes:
+            status = processes.start("status", "status", "--db", url)
+            # Given it is connecting (the server took its connection), When interrupted
+            server.settimeout(60)
+            connection, _ = server.accept()
+            with connection:
+                status.send_signal(signal.SIGINT)
+                assert status.wait(30) == 130
+    err = (tmp_path / "status.err").read_text()
+    assert err.strip() == "scheduler-lib: interrupted", err
