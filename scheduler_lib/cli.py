@@ -173,7 +173,7 @@ def _run(args: argparse.Namespace) -> int:
     from scheduler_lib.spark.worker import PROCEDURE as SPARK_PROCEDURE
 
     plan = load_plan(args.plan)
-    with Broker(args.db) as broker, _interruptible() as interrupted:
+    with Broker(args.db) as broker, _interruptible():
         runner = PlanRunner(
             broker,
             plan,
@@ -193,29 +193,40 @@ def _run(args: argparse.Namespace) -> int:
             print(
                 f"scheduler-lib: {_interrupted_line(runner.handle, exc, broker)}", file=sys.stderr
             )
-            return 128 + interrupted.get("signal", signal.SIGINT)
+            return _interrupted_code(exc)
+
+
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) raised where the main thread is, as Ctrl-C raises
+    KeyboardInterrupt; ``signum``: which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupted_code(exc: KeyboardInterrupt) -> int:
+    """128 + the signal, as shells report a command a signal ended."""
+    return 128 + getattr(exc, "signum", signal.SIGINT)
 
 
 @contextlib.contextmanager
-def _interruptible() -> Iterator[dict[str, int]]:
+def _interruptible() -> Iterator[None]:
     """SIGINT and SIGTERM interrupt the main thread (Python's default ends the process at
     a SIGTERM without unwinding: the plan's scheduler stayed open and its queued tasks ran
-    on); the signal that came last is in the dict yielded. The handlers before are put
-    back at the end."""
-    came: dict[str, int] = {}
+    on). The handlers before are put back at the end."""
 
     def interrupt(signum: int, _frame: Any) -> None:
-        came["signal"] = signum
-        raise KeyboardInterrupt  # where the main thread is, as Ctrl-C does
+        raise _Interrupted(signum)
 
     if threading.current_thread() is not threading.main_thread():
-        yield came  # (only the main thread may set handlers: in-process callers of main)
+        yield  # (only the main thread may set handlers: in-process callers of main)
         return
     before = {
         signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        yield came
+        yield
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
@@ -1173,12 +1184,12 @@ def main(argv: list[str] | None = None) -> int:
 
             prefetch_setting()
         return int(args.run(args))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if args.verbose:
             raise
         # (`run` says more where it can: what became of its tasks)
         print("scheduler-lib: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return _interrupted_code(exc)
     except Exception as exc:
         if args.verbose:
             raise

@@ -60,7 +60,7 @@ class Transaction(
         self, broker: Broker, *, autocommit: bool = False, engine: sa.Engine | None = None
     ) -> None:
         self._broker = broker
-        if broker._file_watch_in_transactions:
+        if broker._file_watched:
             broker._look_at_file()
         #: the connection and what this transaction's operations did (the broker's own
         #: operations use it; a layer above uses the named-query methods below)
@@ -184,11 +184,11 @@ class Broker(
         if migrate:
             self.retrying(lambda: _migrating(self._engine), what="migrate")
         self._file = connections.DatabaseFile(self._engine.url)
-        # Without a timer thread (the Airflow page's and triggerer's brokers, which only
-        # read) the transactions look at the SQLite file, at most once a second: such a
-        # broker otherwise read the file it first opened for ever, and a sensor waited on
-        # a file nobody wrote any more.
-        self._file_watch_in_transactions = not timers and self._file.path is not None
+        # Transactions look at the SQLite file, at most once a second: the timer thread's
+        # each second, and those of a broker without one (the Airflow page's and the
+        # triggerer's, which only read: they read the file they first opened for ever,
+        # and a sensor waited on a file nobody wrote any more).
+        self._file_watched = self._file.path is not None
         self._file_looked_at = -math.inf  # time.monotonic() of the last look
         self._file_look = threading.Lock()
         self.clock = clock
@@ -608,9 +608,9 @@ class Broker(
         )
 
     def _look_at_file(self) -> None:
-        """:meth:`_reopen_if_moved` from a transaction's start, at most once a second and
-        by one thread at a time (the others go on: a look a second late changes
-        nothing)."""
+        """:meth:`_reopen_if_moved` from a transaction's start (before it takes a
+        connection), at most once a second and by one thread at a time (the others go
+        on: a look a second late changes nothing)."""
         now = time.monotonic()
         if now - self._file_looked_at < TIMER_POLL_INTERVAL or not self._file_look.acquire(
             blocking=False
@@ -625,8 +625,6 @@ class Broker(
     def _run_timers(self) -> None:
         while not self._closed.is_set():
             try:
-                # This thread looks each second: the process's one watcher of its file.
-                self._reopen_if_moved()
                 while self.fire_timers():
                     pass
                 # A snapshot: on SQLite it stays out of the write gate
