@@ -129,7 +129,13 @@ class PlanRunner:
             soft_wrap=True,
         )
         deadline = None if self.reader_wait is None else time.monotonic() + self.reader_wait
-        while not _served(self.broker, queue):
+        # A runtime stamps the monitor with its own host's clock, which may be behind
+        # this one's by more than MONITOR_FRESH: a stamp that moves while we wait says
+        # the queue is served whatever the clocks say.
+        first = _monitor_stamp(self.broker, queue)
+        while not (
+            _served(self.broker, queue) or _monitor_stamp(self.broker, queue) not in (None, first)
+        ):
             if deadline is not None and time.monotonic() >= deadline:
                 raise NoReaders(
                     f"nothing served {queue!r} within {self.reader_wait:g} s, so nothing "
@@ -197,12 +203,22 @@ def _console() -> Console:
 
 
 def _served(broker: Broker, queue: str) -> bool:
+    """Whether a runtime serves ``queue``: a reader of it running, or its monitor written
+    in the last ``MONITOR_FRESH`` seconds (each runtime vouches for its monitors at every
+    heartbeat, idle or not)."""
     now = time.time()
     if any(t["queue_name"] == queue for t in broker.activated_tasks()):
         return True
-    return any(
-        m["queue_name"] == queue and now - float(m["updated_at"]) < MONITOR_FRESH
-        for m in broker.queue_monitors()
+    stamp = _monitor_stamp(broker, queue)
+    return stamp is not None and now - stamp < MONITOR_FRESH
+
+
+def _monitor_stamp(broker: Broker, queue: str) -> float | None:
+    """When ``queue``'s monitor was last written (epoch seconds, by the writer's clock);
+    ``None`` without one (no runtime ever served the queue)."""
+    return next(
+        (float(m["updated_at"]) for m in broker.queue_monitors() if m["queue_name"] == queue),
+        None,
     )
 
 

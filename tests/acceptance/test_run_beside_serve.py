@@ -5,9 +5,11 @@ that a supervisor (`timeout`, systemd) stops with SIGTERM."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,36 @@ def test_run_sees_a_serve_that_was_idle_for_a_while(db_url: str, tmp_path: Path)
         assert result.returncode == 0, result.stderr
         assert "all tasks succeeded" in result.stdout
         assert "nothing serves" not in result.stderr
+
+
+# The serving host's clock behind the running host's: by more than the window in which run
+# trusts a monitor's stamp, and less than a task's lease (leases compare the two clocks
+# too: docs/poison.md, "Leases are at-least-once for the work").
+SKEW = MONITOR_FRESH + 10
+
+
+def test_run_sees_a_serve_whose_clock_is_behind(db_url: str, tmp_path: Path) -> None:
+    # Given a serve on a host whose clock is SKEW seconds behind this one's (its process
+    # sees time.time() that far back: every stamp it writes is that old to us)
+    skewed = tmp_path / "skewed"
+    skewed.mkdir()
+    (skewed / "sitecustomize.py").write_text(
+        f"import time\n_time = time.time\ntime.time = lambda: _time() - {SKEW}\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(skewed), *sys.path]))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(NAP)
+    assert _cli("init", "--db", db_url).returncode == 0
+    with Processes(tmp_path, env=env) as processes:
+        serve = processes.start("serve", "serve", "--db", db_url)
+        processes.wait_monitored(serve, db_url, 60)
+        # When a plan is run here, Then it runs: its monitor's stamp is stale by this
+        # clock, but it moves (each heartbeat); before, run refused after its reader
+        # wait ("nothing served 'QueueAsyncTarget'"), serve running beside it
+        result = _cli("run", str(plan), "--db", db_url, "--reader-wait", "15")
+        processes.check_alive(serve)
+        assert result.returncode == 0, result.stderr
+        assert "all tasks succeeded" in result.stdout
 
 
 def _interrupted_run(
