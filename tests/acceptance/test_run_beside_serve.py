@@ -66,9 +66,10 @@ def test_run_sees_a_serve_that_was_idle_for_a_while(db_url: str, tmp_path: Path)
 
 
 # The serving host's clock behind the running host's: by more than the window in which run
-# trusts a monitor's stamp, and less than a task's lease (leases compare the two clocks
-# too: docs/poison.md, "Leases are at-least-once for the work").
-SKEW = MONITOR_FRESH + 10
+# trusts a monitor's stamp, and well under a task's lease and a reader's heartbeat expiry
+# (30 s each), which compare the two clocks too (docs/poison.md, "Leases are
+# at-least-once for the work"): run's timers must not take serve's readers for dead.
+SKEW = MONITOR_FRESH + 5
 
 
 def test_run_sees_a_serve_whose_clock_is_behind(db_url: str, tmp_path: Path) -> None:
