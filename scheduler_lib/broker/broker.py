@@ -38,6 +38,12 @@ T = TypeVar("T")
 
 MAX_MESSAGE_SIZE = 64 * 1024 * 1024  # bytes of body a message may carry
 TIMER_POLL_INTERVAL = 1.0  # seconds; the timer thread re-reads the soonest deadline this often
+CLOCK_CHECK_INTERVAL = 600.0  # seconds between the timer thread's looks at the server's clock
+# Seconds this host's clock may be off the PostgreSQL server's before the timer thread says
+# so: the hosts sharing a database compare their clocks through its rows (a lease written
+# by one host's clock expires by another's; `run` trusts a queue monitor stamped in the
+# last 10 s), and NTP keeps hosts within milliseconds.
+CLOCK_SKEW_WARNING = 2.0
 
 
 class Transaction(
@@ -218,6 +224,8 @@ class Broker(
         self._lease_keeper_lock = threading.Lock()
         self._timer_wakeup = threading.Event()
         self._timer_sleeps_until = 0.0  # epoch seconds: when the timer thread looks next
+        self._clock_looked_at = -math.inf  # time.monotonic() of the last look (_look_at_clock)
+        self._clock_skewed = False  # the last look found this host's clock off (said once)
         self._timer_thread: threading.Thread | None = None
         if timers:
             self._timer_thread = threading.Thread(
@@ -631,6 +639,7 @@ class Broker(
                 with self.snapshot() as tx:
                     deadline = timers.next_deadline(tx.session)
                 self.availability.mark_ok()
+                self._look_at_clock()
             except Exception as exc:  # the thread must outlive a passing database error
                 # This thread looks every second: it notices an outage (and its end) for
                 # the whole process, which is what lease expiry measures from. An outage
@@ -648,6 +657,37 @@ class Broker(
             self._timer_wakeup.wait(sleep)
             self._timer_wakeup.clear()
             self._timer_sleeps_until = 0.0  # awake: every new deadline will be seen
+
+    def _look_at_clock(self) -> None:
+        """Every ``CLOCK_CHECK_INTERVAL`` (the first tick too), on a database server: say
+        once when this host's clock is more than ``CLOCK_SKEW_WARNING`` off the server's —
+        the clocks of the hosts that share the database are compared through its rows,
+        and a skewed one shortens or lengthens leases unseen (SQLite: one host, one
+        clock)."""
+        now = time.monotonic()
+        if (
+            not self._store.features.server_clock
+            or now - self._clock_looked_at < CLOCK_CHECK_INTERVAL
+        ):
+            return
+        self._clock_looked_at = now
+        with self.snapshot() as tx:
+            tx.session.connection()  # connected first: the bracket holds no connect
+            before = time.time()
+            server = float(tx.session.scalar("server_clock"))
+            after = time.time()
+        skew = (before + after) / 2 - server
+        skewed = abs(skew) > CLOCK_SKEW_WARNING
+        if skewed and not self._clock_skewed:
+            log.warning(
+                "this host's clock is %.1f s %s the database server's (%s): leases, readers' "
+                "heartbeats and `scheduler-lib run`'s wait for a reader compare the clocks of "
+                "the hosts that share the database; keep them in sync (NTP)",
+                abs(skew),
+                "ahead of" if skew > 0 else "behind",
+                self.availability.database,
+            )
+        self._clock_skewed = skewed
 
 
 def _migrating(engine: sa.Engine, migrations: schema.MigrationSet = schema.BROKER) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -94,6 +95,16 @@ def test_run_sees_a_serve_whose_clock_is_behind(db_url: str, tmp_path: Path) -> 
         processes.check_alive(serve)
         assert result.returncode == 0, result.stderr
         assert "all tasks succeeded" in result.stdout
+        # And on PostgreSQL serve said its clock is off the server's, once (on SQLite
+        # every process is on the database's host: one clock)
+        said = re.findall(
+            r"this host's clock is ([\d.]+) s behind the database server's",
+            processes.output(serve),
+        )
+        if db_url.startswith("postgresql"):
+            assert len(said) == 1 and abs(float(said[0]) - SKEW) < 1, processes.output(serve)
+        else:
+            assert said == [], processes.output(serve)
 
 
 def _interrupted_run(

@@ -39,6 +39,10 @@ class Dialect:
     #: one writer at a time for the whole database: a process's threads queue for it
     #: (else row locks: ``FOR UPDATE [SKIP LOCKED]``)
     single_writer: bool
+    #: a server on a host of its own, shared by processes on other hosts: its clock is the
+    #: one they can all read (the timer thread compares this host's with it; SQLite's
+    #: processes share one host, and one clock)
+    server_clock: bool
 
     #: the named statements each capability rests on (the broker's own queries)
     STATEMENTS: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -48,6 +52,7 @@ class Dialect:
         "notifies": ("transmission_notify",),
         "commits_without_flush": ("commit_without_fsync",),
         "read_only_snapshots": ("snapshot_begin",),
+        "server_clock": ("server_clock",),
     }
 
 
@@ -60,6 +65,7 @@ SQLITE = Dialect(
     commits_without_flush=False,
     read_only_snapshots=False,
     single_writer=True,
+    server_clock=False,
 )
 POSTGRESQL = Dialect(
     "postgresql",
@@ -70,6 +76,7 @@ POSTGRESQL = Dialect(
     commits_without_flush=True,
     read_only_snapshots=True,
     single_writer=False,
+    server_clock=True,
 )
 DIALECTS = {d.name: d for d in (SQLITE, POSTGRESQL)}
 

@@ -534,3 +534,9 @@ SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
 -- Whether a table exists in the schema the broker's tables are in.
 SELECT count(*) AS n FROM pg_tables
 WHERE schemaname = current_schema() AND tablename = :name;
+
+-- name: server_clock
+-- The server's clock (epoch seconds), not the transaction's start: the timer thread
+-- compares this host's clock with it (hosts that share the database compare their clocks
+-- through its rows: leases, readers' heartbeats, queue monitors).
+SELECT extract(epoch FROM clock_timestamp());
