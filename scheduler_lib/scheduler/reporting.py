@@ -114,7 +114,8 @@ class PlanRunner:
 
         :raises NoReaders: nothing served it in time
         """
-        if _served(self.broker, queue):
+        served, first = _served(self.broker, queue)
+        if served:
             return
         url = self.broker.url.render_as_string(hide_password=True)
         how = (
@@ -129,13 +130,13 @@ class PlanRunner:
             soft_wrap=True,
         )
         deadline = None if self.reader_wait is None else time.monotonic() + self.reader_wait
-        # A runtime stamps the monitor with its own host's clock, which may be behind
-        # this one's by more than MONITOR_FRESH: a stamp that moves while we wait says
-        # the queue is served whatever the clocks say.
-        first = _monitor_stamp(self.broker, queue)
-        while not (
-            _served(self.broker, queue) or _monitor_stamp(self.broker, queue) not in (None, first)
-        ):
+        while True:
+            # A runtime stamps the monitor with its own host's clock, which may be behind
+            # this one's by more than MONITOR_FRESH: a stamp that moves while we wait says
+            # the queue is served whatever the clocks say.
+            served, stamp = _served(self.broker, queue)
+            if served or stamp not in (None, first):
+                return
             if deadline is not None and time.monotonic() >= deadline:
                 raise NoReaders(
                     f"nothing served {queue!r} within {self.reader_wait:g} s, so nothing "
@@ -202,24 +203,19 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
-def _served(broker: Broker, queue: str) -> bool:
-    """Whether a runtime serves ``queue``: a reader of it running, or its monitor written
+def _served(broker: Broker, queue: str) -> tuple[bool, float | None]:
+    """Whether a runtime serves ``queue`` — a reader of it running, or its monitor written
     in the last ``MONITOR_FRESH`` seconds (each runtime vouches for its monitors at every
-    heartbeat, idle or not)."""
+    heartbeat, idle or not) — and when its monitor was last written (epoch seconds, by the
+    writer's clock; ``None`` without one: no runtime ever served the queue)."""
     now = time.time()
-    if any(t["queue_name"] == queue for t in broker.activated_tasks()):
-        return True
-    stamp = _monitor_stamp(broker, queue)
-    return stamp is not None and now - stamp < MONITOR_FRESH
-
-
-def _monitor_stamp(broker: Broker, queue: str) -> float | None:
-    """When ``queue``'s monitor was last written (epoch seconds, by the writer's clock);
-    ``None`` without one (no runtime ever served the queue)."""
-    return next(
+    stamp = next(
         (float(m["updated_at"]) for m in broker.queue_monitors() if m["queue_name"] == queue),
         None,
     )
+    if stamp is not None and now - stamp < MONITOR_FRESH:
+        return True, stamp
+    return any(t["queue_name"] == queue for t in broker.activated_tasks()), stamp
 
 
 def _verdict(report: RunReport) -> str:
