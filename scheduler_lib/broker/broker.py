@@ -670,12 +670,13 @@ class Broker(
             or now - self._clock_looked_at < CLOCK_CHECK_INTERVAL
         ):
             return
-        self._clock_looked_at = now
         with self.snapshot() as tx:
             tx.session.connection()  # connected first: the bracket holds no connect
             before = time.time()
             server = float(tx.session.scalar("server_clock"))
             after = time.time()
+        # (only a look that reached the server counts: one that failed is the next tick's)
+        self._clock_looked_at = now
         skew = (before + after) / 2 - server
         skewed = abs(skew) > CLOCK_SKEW_WARNING
         if skewed and not self._clock_skewed:
