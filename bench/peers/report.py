@@ -114,6 +114,10 @@ WHY = {
         "down) found 26% of our busy backends' samples waiting on a row lock, all of them "
         "the answer's (`send_fast`), and none of procrastinate's, whose jobs end on rows of "
         "their own; 37% of ours were on the CPU and 29% waiting for the WAL flush. "
+        "Since 2026-12-01 a target of lazy start (`ours_lazy`, for tasks whose effects are "
+        "idempotent) also ends its tasks without waiting for the flush "
+        "(`Broker.send(..., durable=False)`): its answers unlock the endpoint at once; "
+        "the durable target's still hold it through their flush. "
         "Not built: a NOTIFY channel per queue, so that "
         "the answers stop waking "
         "the worker's listener (PostgreSQL 15 still signals every listening backend of the "
@@ -147,7 +151,8 @@ WHY = {
         "the target's `durable_start=False` (for tasks whose effects are idempotent; "
         'docs/scheduler.md, "Durable or lazy start"): the start commits without waiting '
         "for the WAL flush, so the gap between our two rows is that flush on the task's "
-        "path; the send before it and the answer after it stay durable. What could close "
+        "path; the send before it stays durable (its answer after it, since 2026-12-01, "
+        "does not wait for the flush either). What could close "
         "the rest: fewer processes woken per task (not built)."
     ),
     "scale": (

@@ -414,6 +414,11 @@ class Broker(
                     )
         return Transaction(self, autocommit=True, engine=self._async_engine)
 
+    def _unflushed(self) -> contextlib.AbstractContextManager[Transaction]:
+        if self._autocommit_engine is None:  # (SQLite: no one-statement SEND to ride)
+            return self._single_statement()
+        return self._taking()
+
     def _found_again(
         self, queue: str, holder: str, duration: float, now: float
     ) -> list[leasing.Lease]:

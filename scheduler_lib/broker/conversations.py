@@ -30,6 +30,11 @@ class ConversationOperations:
         transaction, or on the broker an autocommit one that saves BEGIN and COMMIT."""
         return self._operation()
 
+    def _unflushed(self) -> contextlib.AbstractContextManager[sessions.InTransaction]:
+        """As :meth:`_single_statement`, on the broker itself on connections whose commits
+        do not wait for the WAL flush."""
+        return self._single_statement()
+
     def begin_dialog(
         self,
         from_service: str,
@@ -73,6 +78,7 @@ class ConversationOperations:
         completing: leases.Lease | None = None,
         before: tuple[str, Mapping[str, Any]] | None = None,
         after: sending.SendAfter | None = None,
+        durable: bool = True,
     ) -> int:
         """SEND ON CONVERSATION.
 
@@ -95,6 +101,13 @@ class ConversationOperations:
             it changed, and stays ``None`` where it did not run (not on the broker itself,
             another dialect, a statement that cannot ride, the checked path): the caller
             runs it
+        :param durable: ``False``: with ``before`` riding, on the broker itself, the
+            statement commits without waiting for the WAL flush (the conversation's
+            endpoint, whose sequence number it takes, is unlocked at once: a wave's
+            answers stop queueing behind each other's flushes). A database crash may
+            then lose it, with its row, within three times ``wal_writer_delay``; a
+            durable commit after it (of anyone's) flushes it too, the WAL being written
+            in order. Ignored where ``before`` does not ride.
         :return: the message's sequence number in the conversation
         :raises LeaseLost: when ``completing`` expired or ended meanwhile (roll back)
         :raises ConnectionLost: with ``committing`` set, when on the broker itself (not in
@@ -118,7 +131,7 @@ class ConversationOperations:
             # ``before`` inside the SEND's one statement, where it can ride there: a
             # transaction of its own, in one round trip (with the lease's end: a lost
             # lease writes nothing, and the transaction's way below says so)
-            seq = self._send_riding(handle, message_type, body, before, completing, after)
+            seq = self._send_riding(handle, message_type, body, before, completing, after, durable)
             if seq is not None:
                 return seq
         if completing is not None or before is not None:
@@ -168,12 +181,14 @@ class ConversationOperations:
         before: sending.Before,
         completing: leases.Lease | None,
         after: sending.SendAfter | None = None,
+        durable: bool = True,
     ) -> int | None:
         """SEND with ``before`` inside its one statement (``Store.riding``), in autocommit
         on the broker itself, ending ``completing`` with it; ``None``: nothing was
         written, take the transaction's way (inside a transaction, another dialect, a
-        statement that cannot ride, the checked path, a lost lease)."""
-        with self._single_statement() as tx:
+        statement that cannot ride, the checked path, a lost lease). Not ``durable``: on
+        a connection whose commits do not wait for the WAL flush (:meth:`send`)."""
+        with self._single_statement() if durable else self._unflushed() as tx:
             session = tx.session
             if not session.autocommit or handle in session.shared.unsent:
                 return None  # (a first message makes the target endpoint: a transaction)

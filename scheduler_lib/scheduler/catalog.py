@@ -56,9 +56,10 @@ class Target:
     :param durable_start: a task's start reaches the disk before the task runs (the
         default: a database crash never runs a task twice). ``False`` for tasks whose
         effects are idempotent: on PostgreSQL the task runs without waiting for that
-        flush, and a database server crash while it runs may run it again. Its end,
-        and the caller's answer, stay durable either way (docs/scheduler.md, "Durable
-        or lazy start")
+        flush, and its end (its row's, its lease's and the caller's answer) commits
+        without waiting for it either; a database server crash may then run it again.
+        Once the caller has received the answer, all of it is on disk either way
+        (docs/scheduler.md, "Durable or lazy start")
     :param address: ``tcp://host:port`` of the broker that hosts this target service,
         when it is not this one: ``init`` then makes a route to it instead of its queue
         and service (the other broker runs ``init`` with the target, and both run a

@@ -594,6 +594,7 @@ class Executor:
                 *,
                 released_raises: bool = False,
                 after: SendAfter | None = None,
+                durable: bool = True,
             ) -> None:
                 self._answer(
                     on,
@@ -607,6 +608,7 @@ class Executor:
                     before=("log_finish", {"now": ended_at, **finish}),
                     released_raises=released_raises,
                     after=after,
+                    durable=durable,
                 )
 
             if self.broker.features.one_statement_send:
@@ -616,10 +618,16 @@ class Executor:
                 # longer (a lost lease writes nothing: LeaseLost). A scheduler released
                 # meanwhile: the transaction below ends the row and the lease, no answer.
                 # The start of the task this reader runs next rides at its end.
-                # (Not after a Ctrl-C: the process stops, it would only go back.)
+                # (Not after a Ctrl-C: the process stops, it would only go back.) A
+                # target of lazy start (its tasks' effects idempotent) ends its tasks
+                # lazily too: the statement commits without waiting for the WAL flush,
+                # so the endpoint is unlocked at once and the wave's answers stop
+                # queueing behind each other's flushes (docs/scheduler.md, "Durable or
+                # lazy start").
                 after = self._next_start() if interrupted is None else None
+                durable = self._durable_start() or self.spark_application is not None
                 try:
-                    answer_on(self.broker, released_raises=True, after=after)
+                    answer_on(self.broker, released_raises=True, after=after, durable=durable)
                     if after is not None and after.rows and self._next is not None:
                         self._next = self._next._replace(started=True)
                     return
@@ -750,6 +758,7 @@ class Executor:
         before: tuple[str, Mapping[str, Any]] | None = None,
         released_raises: bool = False,
         after: SendAfter | None = None,
+        durable: bool = True,
     ) -> None:
         extra = None
         if origin is not None:  # the initiator completes its own row from the answer
@@ -768,6 +777,7 @@ class Executor:
             before=before,
             released_raises=released_raises,
             after=after,
+            durable=durable,
         )
 
 
@@ -785,6 +795,7 @@ def answer(
     before: tuple[str, Mapping[str, Any]] | None = None,
     released_raises: bool = False,
     after: SendAfter | None = None,
+    durable: bool = True,
 ) -> None:
     """Send ``AsyncDone`` (the contract's target-sent type) on the scheduler's
     conversation, in the transaction ``on`` (or, given the broker, in one of its own);
@@ -794,7 +805,8 @@ def answer(
     the task's lease, which ends with the answer; ``before`` (a named statement and its
     binds) is written with it, in the same round trip on PostgreSQL — and, in a
     transaction, stays done when the scheduler was released; ``after`` rides at the end
-    of the SEND's statement where it can (``Broker.send``).
+    of the SEND's statement where it can; not ``durable``, that statement commits
+    without waiting for the WAL flush (``Broker.send``).
 
     :raises LeaseLost: when ``completing`` was gone (roll back: no answer)
     """
@@ -803,7 +815,15 @@ def answer(
         {"log_id": log_id, "status": status, "error": error, "result": result, **(extra or {})}
     )
     try:  # these are raised by the broker's own checks: the transaction stays usable
-        on.send(handle, done, body, completing=completing, before=before, after=after)
+        on.send(
+            handle,
+            done,
+            body,
+            completing=completing,
+            before=before,
+            after=after,
+            durable=durable,
+        )
     except (ConversationNotFound, ConversationStateError):
         if released_raises:
             raise
