@@ -141,7 +141,7 @@ def _commands(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.mark.parametrize("durable", [True, False], ids=["durable-start", "lazy-start"])
-def test_a_target_says_whether_the_start_waits_for_the_flush(
+def test_a_target_says_whether_its_tasks_start_and_end_wait_for_the_flush(
     postgres_url: str, monkeypatch: pytest.MonkeyPatch, durable: bool
 ) -> None:
     # Given a target whose tasks' effects are idempotent (durable_start=False), or not
@@ -152,47 +152,29 @@ def test_a_target_says_whether_the_start_waits_for_the_flush(
         log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -5))
         executor = Executor(broker, QUEUE, idle_timeout=1)
         sent = _commands(monkeypatch)
-        # When the executor takes the task
-        assert executor.run_one(timeout=5)
-        # Then the start's transaction waited for the flush only on the durable target
-        assert ("SET LOCAL synchronous_commit TO on" in sent) is durable
-        # And either way the take's statement started it, once, and it ran
-        (row,) = broker.fetch("log_get", log_id=log_id)
-        assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "5")
-        assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
-
-
-@pytest.mark.parametrize("durable", [True, False], ids=["durable-start", "lazy-start"])
-def test_a_target_says_whether_the_end_waits_for_the_flush(
-    postgres_url: str, monkeypatch: pytest.MonkeyPatch, durable: bool
-) -> None:
-    # Given a target whose tasks' effects are idempotent (durable_start=False), or not
-    with Broker(postgres_url, timers=False) as broker:
-        init(broker, targets=[Target(activation=False, durable_start=durable)])
-        scheduler = TaskScheduler(broker)
-        handle = scheduler.get_scheduler()
-        executor = Executor(broker, QUEUE, idle_timeout=1)
-        log_id = scheduler.exec_async(handle, Task.python("builtins:abs", -6))
-        # (what the answer's statement commits with: the setting on its connection)
-        commits: dict[str, str] = {}
+        # (what the answer's one statement commits with: the setting on its connection)
+        commits: list[str] = []
         on_driver = Store._on_driver
 
         def spied(self: Store, conn: Any, query: str, params: Any) -> Any:
             if query.startswith("send_fast+log_finish"):
                 driver = conn.connection.driver_connection
-                commits[query] = driver.execute("SHOW synchronous_commit").fetchone()[0]
+                commits.append(driver.execute("SHOW synchronous_commit").fetchone()[0])
             return on_driver(self, conn, query, params)
 
         monkeypatch.setattr(Store, "_on_driver", spied)
-        # When the task ends
+        # When the executor takes the task and it ends
         assert executor.run_one(timeout=5)
-        # Then its answer's one statement waited for the WAL flush only on the durable
-        # target (the lazy one's unlocks the scheduler's endpoint at once)
-        assert list(commits.values()) == ["on" if durable else "off"], commits
-        # And either way the answer, the row's end and the lease's end are all there
+        # Then the start's transaction waited for the flush only on the durable target
+        assert ("SET LOCAL synchronous_commit TO on" in sent) is durable
+        # And so did the answer's statement (the lazy one unlocks the scheduler's
+        # endpoint at once)
+        assert commits == ["on" if durable else "off"]
+        # And either way the take's statement started it, once, it ran, and its answer,
+        # its row's end and its lease's end are all there
         monkeypatch.undo()
         (row,) = broker.fetch("log_get", log_id=log_id)
-        assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "6")
+        assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "5")
         assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
         assert broker.leases() == []
 
