@@ -131,7 +131,8 @@ def settings_text(cfg: dict[str, Any]) -> str:
         "conversations); in workloads 2 and 3 also with the target's `durable_start=False` "
         "(`ours_lazy`: for tasks whose effects are idempotent, a task runs without waiting "
         "for its start's WAL flush, and since 2026-12-01 its end commits without waiting "
-        'for the flush too; docs/scheduler.md, "Durable or lazy start"). '
+        "for the flush too; with `retries=1`, as that target should be deployed; "
+        'docs/scheduler.md, "Durable or lazy start"). '
         "**procrastinate**: one worker, `concurrency="
         f"{cfg['workers']}`, async no-op task, LISTEN/NOTIFY on, jobs kept (its default), "
         "psycopg pool of up to 10; it dequeues one job per fetch (no batch dequeue), so batch "

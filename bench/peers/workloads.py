@@ -381,12 +381,14 @@ def waves_run(
 
 def lazy_start(url: str) -> None:
     """Our target as one whose tasks' effects are idempotent: ``durable_start=False``
-    (docs/scheduler.md, "Durable or lazy start"); ``ours_lazy`` in the tables."""
+    with a retry, as docs/scheduler.md ("Durable or lazy start") says to deploy it (a
+    task whose end a database crash lost runs again rather than failing as lost; it
+    costs nothing until a lease expires); ``ours_lazy`` in the tables."""
     from scheduler_lib.broker import Broker
     from scheduler_lib.scheduler import Target, init
 
     with Broker(url, migrate=False, timers=False) as broker:
-        init(broker, targets=[Target(activation=False, durable_start=False)])
+        init(broker, targets=[Target(activation=False, durable_start=False, retries=1)])
 
 
 def waves_ours(
