@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # multiproc: poll
@@ -71,3 +72,25 @@ def private_db_url(private_postgres: PrivatePostgres) -> Iterator[str]:
         if not private_postgres.is_accepting():
             private_postgres.start()
         private_postgres.drop_database(name)
+
+
+@pytest.fixture
+def slow_wal_writer(private_postgres: PrivatePostgres) -> Iterator[None]:
+    """``wal_writer_delay`` 10 s on the private server for one test: what no commit
+    flushed stays unwritten until a crash, as it may on a busy server."""
+
+    def setting(value: str | None) -> None:
+        with psycopg.connect(private_postgres.url, autocommit=True) as conn:
+            if value is None:
+                conn.execute("ALTER SYSTEM RESET wal_writer_delay")
+            else:
+                conn.execute(f"ALTER SYSTEM SET wal_writer_delay = '{value}'")
+            conn.execute("SELECT pg_reload_conf()")
+
+    setting("10s")
+    try:
+        yield
+    finally:
+        if not private_postgres.is_accepting():
+            private_postgres.start()
+        setting(None)

@@ -8,8 +8,9 @@ The crash is not timed by hope: the store is patched so that the task's answer s
 (``send_fast+log_finish``) first has what came before it flushed (a durable write of the
 test's own: the take and the start, lazy too, stay on disk), then runs, then the private
 server stops at once (``immediate``: what it had not written of its WAL is gone) and
-starts again (crash recovery). Whether the WAL writer wrote the answer's commit in the
-moment between is the server's business: both outcomes are checked, each against the
+starts again (crash recovery), its WAL writer slowed to 10 s (``slow_wal_writer``: at its
+200 ms it often wrote the answer's commit before the stop). Whether it wrote that commit
+in the moment between is the server's business: both outcomes are checked, each against the
 marks the task left outside the database.
 """
 
@@ -75,16 +76,6 @@ def _flush(url: str) -> None:
         conn.execute("INSERT INTO flushed VALUES (%s)", (time.time(),))
 
 
-def _wal_writer_delay(server: PrivatePostgres, value: str | None) -> None:
-    """Set (``None``: reset) the server's ``wal_writer_delay``, at once (a reload)."""
-    with psycopg.connect(server.url, autocommit=True) as conn:
-        if value is None:
-            conn.execute("ALTER SYSTEM RESET wal_writer_delay")
-        else:
-            conn.execute(f"ALTER SYSTEM SET wal_writer_delay = '{value}'")
-        conn.execute("SELECT pg_reload_conf()")
-
-
 def test_a_crash_right_after_a_lazy_end_runs_the_task_again_and_tells_the_truth(
     caller: Broker,
     worker: Broker,
@@ -92,6 +83,7 @@ def test_a_crash_right_after_a_lazy_end_runs_the_task_again_and_tells_the_truth(
     private_db_url: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    slow_wal_writer: None,
 ) -> None:
     marks_file = str(tmp_path / "marks")
     scheduler = TaskScheduler(caller)
@@ -128,10 +120,6 @@ def test_a_crash_right_after_a_lazy_end_runs_the_task_again_and_tells_the_truth(
             errors.append(exc)
 
     thread = threading.Thread(target=serve, daemon=True)
-    # The WAL writer wakes every 200 ms by default and often wrote the answer's commit
-    # before the stop: 10 s keeps it to the lost side (not always: a commit that fills a
-    # WAL page wakes it, hence both outcomes below)
-    _wal_writer_delay(private_postgres, "10s")
     try:
         # When the server crashes right after the task's lazy end committed
         task = Task.python("marking_tasks:mark", marks_file, "t", 0.2, name="t")
@@ -150,7 +138,6 @@ def test_a_crash_right_after_a_lazy_end_runs_the_task_again_and_tells_the_truth(
         stop.set()
         if thread.is_alive():
             thread.join(WAIT)
-        _wal_writer_delay(private_postgres, None)
     assert not errors, errors
     # And the row says what the marks say: as many attempts as runs, each run whole
     starts, ends = marks(marks_file)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import psycopg
 import pytest
 from private_postgres import PrivatePostgres
 
@@ -42,28 +41,6 @@ def _warm(broker: Broker) -> Any:
     broker.send(handle, "Ping", b"warm")
     assert [m.body for m in broker.receive("Q", top=10, timeout=5)] == [b"warm", b"warm"]
     return handle
-
-
-@pytest.fixture
-def slow_wal_writer(private_postgres: PrivatePostgres) -> Iterator[None]:
-    """``wal_writer_delay`` 10 s on the private server for one test: what no commit
-    flushed stays unwritten until a crash, as it may on a busy server."""
-
-    def setting(value: str | None) -> None:
-        with psycopg.connect(private_postgres.url, autocommit=True) as conn:
-            if value is None:
-                conn.execute("ALTER SYSTEM RESET wal_writer_delay")
-            else:
-                conn.execute(f"ALTER SYSTEM SET wal_writer_delay = '{value}'")
-            conn.execute("SELECT pg_reload_conf()")
-
-    setting("10s")
-    try:
-        yield
-    finally:
-        if not private_postgres.is_accepting():
-            private_postgres.start()
-        setting(None)
 
 
 def _bodies(broker: Broker) -> list[bytes | None]:
