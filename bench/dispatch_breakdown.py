@@ -3,7 +3,7 @@
     .venv-bench/bin/python -m bench.dispatch_breakdown            # ~1 min, prints a table
     .venv-bench/bin/python -m bench.dispatch_breakdown --write-docs   # and appends it
 
-Two parts, each on a fresh database cloned from the peers benchmark's template:
+Three parts, each on a fresh database cloned from the peers benchmark's template:
 
 1. **The caller alone** (no worker; the tasks just queue): ``exec_async`` back to back, then
    after the same 20-40 ms idle pause the peers benchmark makes before each task, then
@@ -19,6 +19,18 @@ Two parts, each on a fresh database cloned from the peers benchmark's template:
    timestamps added by wrapping ``Wakeups.notify`` and ``ops.leases.take_fast`` (diagnostic
    only: internal names, so this script may need updating when they change).
 
+3. **The floor** of this machine, no scheduler_lib code at all, with the same pauses: one
+   round trip to an idle server (PostgreSQL ``SELECT 1``, Redis ``PING``) after the pause
+   against back to back, which is what each wake-up of an idle process costs here; then
+   the least a dispatch can do on each server, caller in this process and one consumer
+   process waiting: on PostgreSQL one autocommit statement that INSERTs the task and
+   NOTIFYs (a durable commit, as every PostgreSQL system's enqueue), the consumer's LISTEN
+   woken, and one ``DELETE ... FOR UPDATE SKIP LOCKED`` take — on another connection or on
+   the LISTEN one, its commit without the WAL flush or with it (where the take records the
+   start durably, as ours does by default); on Redis an ``LPUSH`` to a consumer blocked in
+   ``BRPOP`` (Celery's transport, without Celery). Timed from before the enqueue to the
+   take's return, p50 and p99.
+
 Times are ``time.time()`` on one machine; medians over ``--samples`` tasks after 10
 warm-up ones, and over the slowest tenth of them (by the whole path): which step the
 tail (the p99 of ``bench.peers``' dispatch) grows in.
@@ -28,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -39,6 +53,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bench.broker_throughput import log, publish
+from bench.peers import systems
 from bench.peers.systems import WorkerProcess, drop_templates, fresh_db, jitter
 from bench.peers.worker import TASK_QUEUE
 from bench.peers.workloads import WARM_DISPATCH, no_op, ours_dispatch_calls
@@ -190,7 +205,179 @@ def instrumented_worker(url: str, record: str) -> None:
         json.dump(seen, fh)
 
 
-def markdown(alone: dict[str, float], path: dict[str, tuple[float, float]], samples: int) -> str:
+# --- 3. the floor ------------------------------------------------------------------------
+
+FLOOR_TABLE = "bench_floor_tasks"
+FLOOR_CHANNEL = "bench_floor"
+FLOOR_LIST = "bench-floor-tasks"
+FLOOR_TAKE = (
+    f"DELETE FROM {FLOOR_TABLE} WHERE id = (SELECT id FROM {FLOOR_TABLE} ORDER BY id LIMIT 1 "
+    "FOR UPDATE SKIP LOCKED) RETURNING sent"
+)
+# (name, the take's connection, its commit waits for the WAL flush)
+FLOOR_POSTGRESQL = [
+    ("PostgreSQL: INSERT + NOTIFY, LISTEN, take on another connection, no flush", "other", False),
+    ("PostgreSQL: the same, the take on the LISTEN connection", "listen", False),
+    ("PostgreSQL: the same, the take's commit flushed (a durable start)", "other", True),
+]
+FLOOR_REDIS = "Redis: LPUSH to a consumer in BRPOP"
+
+
+def round_trips(samples: int, url: str, redis_url: str) -> dict[str, tuple[float, float]]:
+    """p50 and p99 ms of one round trip to an idle server, back to back and after the
+    pause: PostgreSQL ``SELECT 1`` and Redis ``PING``."""
+    import psycopg
+    import redis
+
+    out: dict[str, tuple[float, float]] = {}
+    with psycopg.connect(url, autocommit=True) as conn:
+        client = redis.Redis.from_url(redis_url)
+        calls: list[tuple[str, Callable[[], Any]]] = [
+            ("PostgreSQL SELECT 1", lambda: conn.execute("SELECT 1").fetchone()),
+            ("Redis PING", client.ping),
+        ]
+        for name, call in calls:
+            for pause in (False, True):
+                times = []
+                for i in range(WARM_DISPATCH + samples):
+                    if pause:
+                        jitter()
+                    started = time.perf_counter()
+                    call()
+                    if i >= WARM_DISPATCH:
+                        times.append(1000 * (time.perf_counter() - started))
+                key = f"round trip, {name}, " + ("after the pause" if pause else "back to back")
+                out[key] = p50_p99(times)
+                log(f"floor, {key}: p50 {out[key][0]:.2f} ms, p99 {out[key][1]:.2f} ms")
+        client.close()
+    return out
+
+
+def floor_consumer(kind: str, url: str, take_on: str, flushed: bool, ready: Any, done: Any) -> None:
+    """The floor's consumer process: takes ``samples`` tasks as they come (PostgreSQL:
+    LISTEN, then the take; Redis: BRPOP), then puts ``[sent, taken]`` of each on ``done``."""
+    got: list[tuple[float, float]] = []
+    if kind == "redis":
+        import redis
+
+        client = redis.Redis.from_url(url)
+        ready.put("ready")
+        while True:
+            _, body = client.brpop([FLOOR_LIST])
+            taken = time.time()
+            if body == b"stop":
+                break
+            got.append((float(body), taken))
+        done.put(got)
+        return
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as listen:
+        take = listen if take_on == "listen" else psycopg.connect(url, autocommit=True)
+        if not flushed:
+            take.execute("SET synchronous_commit = off")
+        listen.execute(f"LISTEN {FLOOR_CHANNEL}")
+        ready.put("ready")
+        while True:
+            for _ in listen.notifies(stop_after=1):
+                pass
+            row = take.execute(FLOOR_TAKE).fetchone()
+            taken = time.time()
+            if row is None:
+                continue
+            if row[0] < 0:  # the caller's stop
+                break
+            got.append((row[0], taken))
+        if take is not listen:
+            take.close()
+    done.put(got)
+
+
+def floor(samples: int) -> dict[str, tuple[float, float]]:
+    """p50 and p99 ms of the round trips and of the floor's dispatches (module docstring,
+    part 3)."""
+    import psycopg
+    import redis
+
+    spawn = multiprocessing.get_context("spawn")
+    out: dict[str, tuple[float, float]] = {}
+    server = systems.Redis()
+    with contextlib.ExitStack() as stack:
+        stack.callback(server.close)
+        url = stack.enter_context(fresh_db("ours"))
+        redis_url = stack.enter_context(server.database())
+        out.update(round_trips(samples, url, redis_url))
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f"CREATE TABLE {FLOOR_TABLE} (id bigserial PRIMARY KEY, sent float8)")
+            enqueue = (
+                f"WITH t AS (INSERT INTO {FLOOR_TABLE} (sent) VALUES (%s)) "
+                f"SELECT pg_notify('{FLOOR_CHANNEL}', 'tasks')"
+            )
+            for name, take_on, flushed in FLOOR_POSTGRESQL:
+                out[name] = floor_run(
+                    name,
+                    spawn,
+                    ("postgresql", url, take_on, flushed),
+                    lambda sent: conn.execute(enqueue, (sent,)),
+                    samples,
+                )
+        client = redis.Redis.from_url(redis_url)
+        out[FLOOR_REDIS] = floor_run(
+            FLOOR_REDIS,
+            spawn,
+            ("redis", redis_url, "", False),
+            lambda sent: client.lpush(FLOOR_LIST, repr(sent)),
+            samples,
+            stop=lambda: client.lpush(FLOOR_LIST, "stop"),
+        )
+        client.close()
+    return out
+
+
+def floor_run(
+    name: str,
+    spawn: Any,
+    consumer: tuple[str, str, str, bool],
+    enqueue: Callable[[float], Any],
+    samples: int,
+    stop: Callable[[], Any] | None = None,
+) -> tuple[float, float]:
+    """One floor dispatch: a consumer process, then a task after each pause, each taken
+    before the next is sent (by its count of tasks taken)."""
+    ready, done = spawn.Queue(), spawn.Queue()
+    process = spawn.Process(target=floor_consumer, args=(*consumer, ready, done), daemon=True)
+    process.start()
+    try:
+        ready.get(timeout=60)
+        for _ in range(WARM_DISPATCH + samples):
+            jitter()
+            enqueue(time.time())
+        # a sentinel the consumer stops at, once everything before it is taken
+        (stop or (lambda: enqueue(-1.0)))()
+        got = done.get(timeout=60)
+    finally:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+    if len(got) != WARM_DISPATCH + samples:
+        raise RuntimeError(f"dispatch floor {consumer[0]}: {len(got)} tasks taken")
+    times = [1000 * (taken - sent) for sent, taken in got[WARM_DISPATCH:]]
+    result = p50_p99(times)
+    log(f"floor, {name}: p50 {result[0]:.2f} ms, p99 {result[1]:.2f} ms")
+    return result
+
+
+def p50_p99(times: list[float]) -> tuple[float, float]:
+    ordered = sorted(times)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, round(0.99 * len(ordered)))]
+
+
+def markdown(
+    alone: dict[str, float],
+    path: dict[str, tuple[float, float]],
+    floor_ms: dict[str, tuple[float, float]],
+    samples: int,
+) -> str:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"\n## Where our dispatch latency goes — {when}\n",
@@ -208,6 +395,10 @@ def markdown(alone: dict[str, float], path: dict[str, tuple[float, float]], samp
         "",
         f"The last column: the same steps' medians over the slowest {TAIL:.0%} of the tasks "
         "(by their whole path), the tail a p99 is made of.\n",
+        "| the floor (no scheduler_lib code; the same pauses) | p50 ms | p99 ms |",
+        "| --- | ---: | ---: |",
+        *[f"| {name} | {p50:.2f} | {p99:.2f} |" for name, (p50, p99) in floor_ms.items()],
+        "",
     ]
     return "\n".join(lines)
 
@@ -224,9 +415,10 @@ def main() -> None:
     try:
         alone = caller_alone(args.samples)
         path = whole_path(args.samples)
+        floor_ms = floor(args.samples)
     finally:
         drop_templates()  # the template database fresh_db cloned from
-    publish(markdown(alone, path, args.samples), args.write_docs)
+    publish(markdown(alone, path, floor_ms, args.samples), args.write_docs)
 
 
 if __name__ == "__main__":
