@@ -11,7 +11,8 @@ Workloads (design in bench/peers/workloads.py; settings in SETTINGS below):
      procrastinate, pgqueuer, raw INSERT + DELETE ... SKIP LOCKED;
   2. waves: 5 waves x 50 no-op tasks, 4 workers: ours (run_waves), Celery group + get,
      pgqueuer (CompletionWatcher), procrastinate (polling job status);
-  3. dispatch: idle workers, one task at a time, enqueue call -> handler start;
+  3. dispatch: idle workers, one task at a time, enqueue call -> handler start, beside
+     two floors with no system's code (raw PostgreSQL, raw Redis);
   4. scale: dequeue + complete of one ready item with 1,000,000 completed items retained
      vs none.
 Systems take turns in every round (the order rotates), measurements are repeated, and
@@ -77,7 +78,8 @@ ALL_SYSTEMS = {
         "raw",
     ],
     "waves": TASK_SYSTEMS,
-    "dispatch": TASK_SYSTEMS,
+    # with the floors: the least a dispatch does on PostgreSQL and on Redis, no system
+    "dispatch": [*TASK_SYSTEMS, "raw", "raw_redis"],
     "scale": ["ours", "procrastinate", "pgqueuer", "celery"],
 }
 PACKAGES = (
@@ -189,7 +191,14 @@ DESIGNS = {
         "(`time.time()` inside the handler, ours too: after the start's durable commit, or "
         "after its commit without the flush with lazy start) - "
         "the instant before the enqueue call, same machine clock. Each task is waited for "
-        "(the system's own way) before the next."
+        "(the system's own way) before the next. Two floors, no system's code, the least a "
+        "dispatch does on each server: **raw PostgreSQL**, one autocommit INSERT (its "
+        "durable commit fires the table's NOTIFY trigger), one consumer's LISTEN woken, "
+        "its `DELETE … SKIP LOCKED` committed durably, timed at the DELETE's return; **raw "
+        "Redis**, an LPUSH to one consumer blocked in BRPOP, timed at the BRPOP's return. "
+        "One consumer each (four LISTENing connections would all be woken by each NOTIFY); "
+        "their callers look whether the task was taken 10 ms after the enqueue, then "
+        "every 20 ms. The floors are no peers: the verdicts ignore them."
     ),
     "scale": (
         "Two stores per system set up alike; one preloaded with {retained:,} completed items "
@@ -340,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             noisy.append(f"{label} ({acc.foreign}%)")
         return value
 
-    uses_celery = any(s.startswith("celery") for v in plan.values() for s in v)
-    redis = systems.Redis() if uses_celery else None
+    uses_redis = any(s.startswith("celery") or s == "raw_redis" for v in plan.values() for s in v)
+    redis = systems.Redis() if uses_redis else None
     ctx: dict[str, Any] = {"workers": args.workers, "celery_prefetch": 1}
     try:
         if redis is not None:
@@ -351,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             ctx["redis"] = redis
             ctx["redis_flush"] = lambda: redis.flush(ctx["redis_url"])
             ctx["celery"] = systems.celery_module(ctx["redis_url"], 1)
-        for system in sorted({s for v in plan.values() for s in v} - {"celery", "celery_p4"}):
+        on_redis = {"celery", "celery_p4", "raw_redis"}
+        for system in sorted({s for v in plan.values() for s in v} - on_redis):
             systems.template(workloads.deployment(system)[0])
         if "queue" in plan:
             run_queue(plan["queue"], size, cfg, ctx, report, measured)

@@ -21,6 +21,12 @@ NAMES = {
     "pgqueuer_4p": "pgqueuer, 4 worker processes",
     "celery": "Celery (Redis), prefetch 1",
     "celery_p4": "Celery (Redis), prefetch 4",
+    "raw_redis": "raw Redis LPUSH / BRPOP (floor)",
+}
+# Workload 3's raw system is a floor, not workload 1's ceiling: the least a dispatch does.
+FLOORS = {
+    "raw": "raw PostgreSQL INSERT + NOTIFY / DELETE … SKIP LOCKED (floor)",
+    "raw_redis": NAMES["raw_redis"],
 }
 WORKLOADS = ("queue", "waves", "dispatch", "scale")
 
@@ -306,11 +312,13 @@ def dispatch_table(w: dict[str, Any]) -> list[str]:
     ]
     for system, r in w["systems"].items():
         lines.append(
-            f"| {NAMES[system]} | {r['samples']} | {fmt(r['p50_ms'], 2)} | {fmt(r['p90_ms'], 2)} "
-            f"| {fmt(r['p99_ms'], 2)} | {fmt(r['max_ms'], 2)} |"
+            f"| {FLOORS.get(system, NAMES[system])} | {r['samples']} | {fmt(r['p50_ms'], 2)} "
+            f"| {fmt(r['p90_ms'], 2)} | {fmt(r['p99_ms'], 2)} | {fmt(r['max_ms'], 2)} |"
         )
     lines.append("")
-    peers = {s: r for s, r in w["systems"].items() if not _is_ours(s)}
+    floors = {s: r for s, r in w["systems"].items() if s in FLOORS}
+    peers = {s: r for s, r in w["systems"].items() if not _is_ours(s) and s not in FLOORS}
+    lines += _above_floors(w["systems"], floors)
     for variant in _ours(w) if peers else []:
         ours = w["systems"][variant]
         for key in ("p50_ms", "p99_ms"):
@@ -328,6 +336,24 @@ def dispatch_table(w: dict[str, Any]) -> list[str]:
             "  - goal (issue 24): p50 and p99 at most Celery's and below every PostgreSQL "
             f"peer's: {_verdict(met)}."
         )
+    return lines
+
+
+def _above_floors(systems: dict[str, Any], floors: dict[str, Any]) -> list[str]:
+    """How far above its server's floor each system's p50 is (the floors: the least a
+    dispatch does on PostgreSQL and on Redis, no system's code)."""
+    lines = []
+    for floor, on in (("raw", "PostgreSQL"), ("raw_redis", "Redis")):
+        if floor not in floors:
+            continue
+        base = floors[floor]["p50_ms"]
+        above = [
+            f"{NAMES[s]} +{r['p50_ms'] - base:.2f}"
+            for s, r in systems.items()
+            if s not in FLOORS and s.startswith("celery") == (on == "Redis")
+        ]
+        if above:
+            lines.append(f"- p50 above the {on} floor ({base:.2f} ms), ms: {', '.join(above)}.")
     return lines
 
 
@@ -454,6 +480,7 @@ def charts(report: dict[str, Any], directory: Path) -> list[Path]:
         "celery_p4": "#9467bd",
         "procrastinate_4p": "#98df8a",
         "pgqueuer_4p": "#ffbb78",
+        "raw_redis": "#c7c7c7",
     }
     for name in WORKLOADS:
         w = report["workloads"].get(name)

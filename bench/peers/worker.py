@@ -131,6 +131,13 @@ def raw_worker(url: str, consumers: int, stop: threading.Event, top: int) -> lis
                 with lock:
                     records.extend([tag_of(bytes(r[0])), done, done] for r in rows)
 
+    consumed_by(consume, consumers, stop)
+    return records
+
+
+def consumed_by(consume: Any, consumers: int, stop: threading.Event) -> None:
+    """``consumers`` threads of ``consume``, READY once started; returns when ``stop`` is
+    set and they have finished."""
     threads = [threading.Thread(target=consume, daemon=True) for _ in range(consumers)]
     for thread in threads:
         thread.start()
@@ -138,6 +145,31 @@ def raw_worker(url: str, consumers: int, stop: threading.Event, top: int) -> lis
     stop.wait()
     for thread in threads:
         thread.join(30)
+
+
+RAW_REDIS_LIST = "bench-raw"  # the list raw_redis producers LPUSH to
+
+
+def raw_redis_worker(url: str, consumers: int, stop: threading.Event) -> list[Record]:
+    """The floor of a Redis queue (workload 3): ``consumers`` threads, each on its own
+    connection, blocked in ``BRPOP`` on one list (Celery's Redis transport without
+    Celery); a task's start is the instant its ``BRPOP`` returns."""
+    import redis
+
+    records: list[Record] = []
+    lock = threading.Lock()
+
+    def consume() -> None:
+        client = redis.Redis.from_url(url)
+        while not stop.is_set():
+            got = client.brpop([RAW_REDIS_LIST], timeout=RAW_EMPTY_WAIT)
+            done = time.time()
+            if got is not None:
+                with lock:
+                    records.append([tag_of(got[1]), done, done])
+        client.close()
+
+    consumed_by(consume, consumers, stop)
     return records
 
 
@@ -223,12 +255,14 @@ def main() -> int:
     system, url = config["system"], config["url"]
     concurrency, top = config.get("concurrency", 4), config.get("top", 1)
     stop = threading.Event()
-    if system in ("ours", "raw"):
+    if system in ("ours", "raw", "raw_redis"):
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if system == "ours":
         records = ours_worker(url, concurrency, stop, role=config["role"], top=top)
     elif system == "raw":
         records = raw_worker(url, concurrency, stop, top)
+    elif system == "raw_redis":
+        records = raw_redis_worker(url, concurrency, stop)
     elif system == "procrastinate":
         records = asyncio.run(procrastinate_worker(url, concurrency))
     elif system == "pgqueuer":

@@ -702,6 +702,69 @@ def dispatch_pgqueuer(samples: int, ctx: dict[str, Any]) -> list[float]:
     return latencies(records, called, "pgqueuer")
 
 
+# The floors: no system, the least a dispatch does on each server. One consumer (the
+# least: four LISTENing connections would all be woken by each NOTIFY), waited for by
+# polling (``systems.wait_until``).
+FLOOR_CONSUMERS = 1
+
+
+def dispatch_raw(samples: int, ctx: dict[str, Any]) -> list[float]:
+    """PostgreSQL's floor: one autocommit INSERT (its durable commit fires the table's
+    NOTIFY trigger), one consumer's LISTEN woken, its ``DELETE ... SKIP LOCKED`` (a
+    durable commit: the start of a task recorded as ours records it by default)."""
+    called: dict[str, float] = {}
+    with fresh_db("raw") as url:
+        worker = WorkerProcess.peer("raw", url, "tasks", concurrency=FLOOR_CONSUMERS)
+        try:
+            with psycopg.connect(url, autocommit=True) as conn:
+                for i in range(WARM_DISPATCH + samples):
+                    jitter()
+                    called[str(i)] = time.time()
+                    conn.execute(
+                        "INSERT INTO bench_raw (body) VALUES (%s)", (body(str(i)).encode(),)
+                    )
+                    wait_until(
+                        lambda: scalar_on(conn, "SELECT count(*) FROM bench_raw") == 0,
+                        30,
+                        "raw dispatch: the task taken",
+                    )
+        finally:
+            records = worker.stop()
+    return latencies(records, called, "raw")
+
+
+def dispatch_raw_redis(samples: int, ctx: dict[str, Any]) -> list[float]:
+    """Redis's floor: one ``LPUSH`` to a consumer blocked in ``BRPOP`` (Celery's
+    transport without Celery)."""
+    import redis
+
+    from bench.peers.worker import RAW_REDIS_LIST
+
+    called: dict[str, float] = {}
+    url = ctx["redis_url"]
+    worker = WorkerProcess.peer("raw_redis", url, "tasks", concurrency=FLOOR_CONSUMERS)
+    try:
+        client = redis.Redis.from_url(url)
+        for i in range(WARM_DISPATCH + samples):
+            jitter()
+            called[str(i)] = time.time()
+            client.lpush(RAW_REDIS_LIST, body(str(i)))
+            time.sleep(POLL)  # no look of ours while the consumer takes it
+            wait_until(
+                lambda: client.llen(RAW_REDIS_LIST) == 0, 30, "raw_redis dispatch: the task taken"
+            )
+        client.close()
+    finally:
+        records = worker.stop()
+        ctx["redis_flush"]()
+    return latencies(records, called, "raw_redis")
+
+
+def scalar_on(conn: psycopg.Connection[Any], sql: str) -> Any:
+    row = conn.execute(sql).fetchone()
+    return row[0] if row else None
+
+
 def jitter_s() -> float:
     import random
 
@@ -723,6 +786,8 @@ DISPATCH = {
     "procrastinate_4p": lambda n, ctx: dispatch_procrastinate(n, {**ctx, "processes": 4}),
     "pgqueuer": dispatch_pgqueuer,
     "pgqueuer_4p": lambda n, ctx: dispatch_pgqueuer(n, {**ctx, "processes": 4}),
+    "raw": dispatch_raw,
+    "raw_redis": dispatch_raw_redis,
 }
 
 

@@ -66,6 +66,27 @@ def test_the_dispatch_goal_is_met_only_below_celery_and_every_postgresql_peer() 
     assert missed[-1].endswith("**missed**.")
 
 
+def test_the_dispatch_floors_are_no_peers_and_each_system_is_read_against_its_server() -> None:
+    # Given floors far below every system (the least a dispatch does, no system's code)
+    systems = {
+        "ours": _dispatch(4.0, 8.0),
+        "celery": _dispatch(4.0, 8.0),
+        "pgqueuer": _dispatch(6.0, 15.0),
+        "raw": _dispatch(1.5, 2.0),
+        "raw_redis": _dispatch(0.5, 1.0),
+    }
+    lines = report.dispatch_table({"systems": systems})
+    # Then the verdict compares ours with the peers only: met, though the floors are lower
+    assert lines[-1].endswith("**met**.")
+    # and the floors are named as such, each system measured from its own server's
+    assert any("(floor)" in line and line.startswith("| raw PostgreSQL") for line in lines)
+    assert (
+        "- p50 above the PostgreSQL floor (1.50 ms), ms: scheduler_lib (ours) +2.50, "
+        "pgqueuer +4.50." in lines
+    )
+    assert "- p50 above the Redis floor (0.50 ms), ms: Celery (Redis), prefetch 1 +3.50." in lines
+
+
 def _spread(median: float) -> dict[str, float]:
     return {"median": median, "min": median, "max": median}
 
