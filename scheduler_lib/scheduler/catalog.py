@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from scheduler_lib.broker.poison import Notify, PoisonPolicy
 
 MIGRATIONS = schema.MigrationSet("scheduler_lib.scheduler:migrations", "scheduler_alembic_version")
 QUERIES = "scheduler_lib.scheduler"
+log = logging.getLogger(__name__)
 EXECUTOR = "scheduler_lib.scheduler.executor:serve"  # the activation procedure
 LOST_TASK_CALLBACK = "scheduler_lib.scheduler.executor:report_lost_task"
 DEFAULT_KINDS = ("sql", "python")
@@ -59,7 +61,7 @@ class Target:
         flush, and its end (its row's, its lease's and the caller's answer) commits
         without waiting for it either; a database server crash may then run it again
         (give it ``retries`` of 1 or more: a task whose end the crash lost counts as
-        one whose worker stopped without an answer). Once the caller has received the
+        one whose worker stopped without an answer; ``init`` warns of one without). Once the caller has received the
         answer, all of it is on disk either way (docs/scheduler.md, "Durable or lazy
         start")
     :param address: ``tcp://host:port`` of the broker that hosts this target service,
@@ -149,6 +151,15 @@ def init(
             raise InvalidArgument(
                 f"target {target.service!r}: durable_start must be True or False, "
                 f"got {target.durable_start!r}"
+            )
+        if not target.durable_start and target.retries == 0 and broker.dialect == "postgresql":
+            # Allowed (a task that must not run twice may prefer a false failure), but
+            # rarely meant: a crash that loses a lazy end reports the task FAILED.
+            log.warning(
+                "target %r: durable_start=False with retries=0: a database crash right "
+                "after a task ends may report it FAILED (worker stopped without an answer) "
+                "although it ran; give the target retries=1 or more to run it again instead",
+                target.service,
             )
     prepare(broker)
     types = broker.message_types()

@@ -308,3 +308,25 @@ def test_a_take_that_fails_is_said_and_the_next_one_runs_the_task(
     (row,) = broker.fetch("log_get", log_id=log_id)
     assert (row["status"], row["attempts"], row["result"]) == ("SUCCEEDED", 1, "6")
     assert scheduler.synchronization(handle, timeout=5).status == "SUCCEEDED"
+
+
+@pytest.mark.parametrize(
+    ("durable", "retries", "warned"),
+    [(False, 0, True), (False, 1, False), (True, 0, False)],
+    ids=["lazy-no-retries", "lazy-retries", "durable-no-retries"],
+)
+def test_init_warns_of_a_lazy_target_without_retries(
+    postgres_url: str, caplog: pytest.LogCaptureFixture, durable: bool, retries: int, warned: bool
+) -> None:
+    # Given a target of lazy start and no retries (a crash that loses its end reports a
+    # task that ran as FAILED), or one with retries, or a durable one
+    target = Target(activation=False, durable_start=durable, retries=retries)
+    with Broker(postgres_url, timers=False) as broker, caplog.at_level(logging.WARNING):
+        # When the catalog is made
+        init(broker, targets=[target])
+    # Then only the first is warned about, in one line naming the target and the fix
+    said = [r.getMessage() for r in caplog.records if "durable_start=False" in r.getMessage()]
+    assert bool(said) == warned
+    if warned:
+        assert len(said) == 1 and "\n" not in said[0]
+        assert "'ServiceAsyncTarget'" in said[0] and "retries=1 or more" in said[0]
