@@ -61,9 +61,9 @@ class Target:
         flush, and its end (its row's, its lease's and the caller's answer) commits
         without waiting for it either; a database server crash may then run it again
         (give it ``retries`` of 1 or more: a task whose end the crash lost counts as
-        one whose worker stopped without an answer; ``init`` warns of one without). Once the caller has received the
-        answer, all of it is on disk either way (docs/scheduler.md, "Durable or lazy
-        start")
+        one whose worker stopped without an answer; ``init`` warns of one without).
+        Once the caller has received the answer, all of it is on disk either way
+        (docs/scheduler.md, "Durable or lazy start")
     :param address: ``tcp://host:port`` of the broker that hosts this target service,
         when it is not this one: ``init`` then makes a route to it instead of its queue
         and service (the other broker runs ``init`` with the target, and both run a
