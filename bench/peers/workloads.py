@@ -723,6 +723,7 @@ def dispatch_raw(samples: int, ctx: dict[str, Any]) -> list[float]:
                     conn.execute(
                         "INSERT INTO bench_raw (body) VALUES (%s)", (body(str(i)).encode(),)
                     )
+                    time.sleep(POLL)  # no look of ours while the consumer takes it
                     wait_until(
                         lambda: scalar_on(conn, "SELECT count(*) FROM bench_raw") == 0,
                         30,
