@@ -52,7 +52,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from bench.broker_throughput import log, publish
+from bench.broker_throughput import log, percentile, publish
 from bench.peers import systems
 from bench.peers.systems import WorkerProcess, drop_templates, fresh_db, jitter
 from bench.peers.worker import TASK_QUEUE
@@ -254,8 +254,9 @@ def round_trips(samples: int, url: str, redis_url: str) -> dict[str, tuple[float
 
 
 def floor_consumer(kind: str, url: str, take_on: str, flushed: bool, ready: Any, done: Any) -> None:
-    """The floor's consumer process: takes ``samples`` tasks as they come (PostgreSQL:
-    LISTEN, then the take; Redis: BRPOP), then puts ``[sent, taken]`` of each on ``done``."""
+    """The floor's consumer process: takes tasks as they come (PostgreSQL: LISTEN, then
+    the take; Redis: BRPOP) until the caller's stop, then puts ``[sent, taken]`` of each
+    on ``done``."""
     got: list[tuple[float, float]] = []
     if kind == "redis":
         import redis
@@ -342,8 +343,9 @@ def floor_run(
     samples: int,
     stop: Callable[[], Any] | None = None,
 ) -> tuple[float, float]:
-    """One floor dispatch: a consumer process, then a task after each pause, each taken
-    before the next is sent (by its count of tasks taken)."""
+    """One floor dispatch: a consumer process, then a task after each pause (the pause,
+    20-40 ms, is the only wait for the take before it: nothing else checks it), then the
+    consumer's stop; raises unless it took every task."""
     ready, done = spawn.Queue(), spawn.Queue()
     process = spawn.Process(target=floor_consumer, args=(*consumer, ready, done), daemon=True)
     process.start()
@@ -368,8 +370,7 @@ def floor_run(
 
 
 def p50_p99(times: list[float]) -> tuple[float, float]:
-    ordered = sorted(times)
-    return statistics.median(ordered), ordered[min(len(ordered) - 1, round(0.99 * len(ordered)))]
+    return percentile(times, 50), percentile(times, 99)
 
 
 def markdown(
