@@ -155,15 +155,16 @@ WHY = {
         "the take on the LISTEN connection (the lever the issue named: no gain, not "
         "built); the least on Redis (LPUSH to a BRPOP) 0.69 ms. Since 2026-12-01 22:30 "
         "this table has both floors itself, same run as the systems (the PostgreSQL one "
-        "fires its NOTIFY from a trigger and its caller polls, so it reads a little higher "
-        "than the breakdown's). In the 22:30 run, PostgreSQL's floor was 2.30 ms p50 and "
-        "Redis's 0.75: Celery sat 3.7 ms above its floor, ours 2.85 ms above ours (lazy "
-        "start 2.42), procrastinate and pgqueuer 3.5 — of every system, ours does the "
-        "least above its server's floor, and what keeps it behind Celery's p50 is the 1.55 "
-        "ms between the floors: Redis hands the item to the waiting BRPOP in the push's "
-        "own round trip, where PostgreSQL's durable commit wakes the listening backend, "
-        "then the consumer, which must take in a second round trip. In the 19:16 run "
-        "(no floors in it) Celery's p50 was 1.81 ms, about the breakdown's durable "
+        "fires its NOTIFY from a trigger, so it reads a little higher than the "
+        "breakdown's). In the 23:55 run, PostgreSQL's floor was 2.31 ms p50 and Redis's "
+        "0.79: Celery sat 3.9 ms above its floor, ours 2.93 ms above ours (lazy start "
+        "2.50), procrastinate 4.1 and pgqueuer 3.9 — of every system, ours does the least "
+        "above its server's floor, and what keeps it behind Celery's p50 is the 1.52 ms "
+        "between the floors: Redis hands the item to the waiting BRPOP in the push's own "
+        "round trip, where PostgreSQL's durable commit wakes the listening backend, then "
+        "the consumer, which must take in a second round trip. In the 19:16 run of an "
+        "earlier session (no floors in it) Celery's p50 was 1.81 ms, about the "
+        "breakdown's durable "
         "PostgreSQL floor: at that machine state, beating Celery would have needed a "
         "PostgreSQL dispatch with no work above the floor. Our remaining work above it: "
         "the client and server work of the enqueue, the take and the start, which a "
@@ -177,10 +178,7 @@ WHY = {
         'docs/scheduler.md, "Durable or lazy start"): the start commits without waiting '
         "for the WAL flush, so the gap between our two rows is that flush on the task's "
         "path; the send before it stays durable (its answer after it, since 2026-12-01, "
-        "does not wait for the flush either). The 22:30 run's p99 of ours (39.38 ms, "
-        "against 11.97 with lazy start) is a few stalled samples in that run: two runs of "
-        "`--only dispatch --systems ours,ours_lazy,raw --rounds 3` right after it gave "
-        "ours p99s of 7.42 and 6.68 ms (not committed as a table). What could close the "
+        "does not wait for the flush either). What could close the "
         "rest: less client and server work per enqueue and take (not built); the "
         "floors' wake-ups stay."
     ),
@@ -325,9 +323,8 @@ def dispatch_table(w: dict[str, Any]) -> list[str]:
             f"| {fmt(r['p90_ms'], 2)} | {fmt(r['p99_ms'], 2)} | {fmt(r['max_ms'], 2)} |"
         )
     lines.append("")
-    floors = {s: r for s, r in w["systems"].items() if s in FLOORS}
     peers = {s: r for s, r in w["systems"].items() if not _is_ours(s) and s not in FLOORS}
-    lines += _above_floors(w["systems"], floors)
+    lines += _above_floors(w["systems"])
     for variant in _ours(w) if peers else []:
         ours = w["systems"][variant]
         for key in ("p50_ms", "p99_ms"):
@@ -348,14 +345,14 @@ def dispatch_table(w: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _above_floors(systems: dict[str, Any], floors: dict[str, Any]) -> list[str]:
+def _above_floors(systems: dict[str, Any]) -> list[str]:
     """How far above its server's floor each system's p50 is (the floors: the least a
     dispatch does on PostgreSQL and on Redis, no system's code)."""
     lines = []
     for floor, on in (("raw", "PostgreSQL"), ("raw_redis", "Redis")):
-        if floor not in floors:
+        if floor not in systems:
             continue
-        base = floors[floor]["p50_ms"]
+        base = systems[floor]["p50_ms"]
         above = [
             f"{NAMES[s]} +{r['p50_ms'] - base:.2f}"
             for s, r in systems.items()
