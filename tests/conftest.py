@@ -2,11 +2,20 @@
 
 PostgreSQL tests make their own uniquely named database and drop it afterwards. Locally
 they skip when no server is reachable; under ``CI`` an unreachable server is a failure.
+
+A test that uses the ``broker`` fixture gets a copy of a database migrated once per test
+process (PostgreSQL's ``CREATE DATABASE ... TEMPLATE``, a file copy on SQLite) rather than
+one migrated for it: the migrations cost about a second per test and some 480 tests use
+it. Every other test's database starts empty, as a user's does before the first
+``Broker`` or ``scheduler-lib init`` (the migrations' own tests among them).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 
@@ -19,6 +28,50 @@ POSTGRES_ADMIN_URL = os.environ.get(
     "SCHEDULER_LIB_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# The test files that take longest (`make test`'s --durations, 2026-12-02), slowest first.
+# Under `--dist loadfile --no-loadscope-reorder` (the Makefile) pytest-xdist hands files to
+# its workers in collection order, so these start first and the run does not end on one
+# of them while the other worker idles: by default it orders files by their number of
+# tests, which left the two-minute demo and the browser tests for the end. A slow file
+# missing here only starts later; the rest follow, most tests first.
+SLOWEST_FILES = (
+    "tests/airflow/test_dags.py",
+    "tests/resilience/test_killed_processes.py",
+    "tests/transport/test_loss.py",
+    "tests/acceptance/test_demo.py",
+    "tests/acceptance/test_run_beside_serve.py",
+    "tests/airflow/test_page_browser.py",
+    "tests/spark/test_worker_processes.py",
+    "tests/acceptance/test_docs_runnable.py",
+    "tests/airflow/test_docs_by_hand.py",
+    "tests/transport/test_faults.py",
+    "tests/acceptance/test_cli_output.py",
+    "tests/airflow/test_standalone.py",
+    "tests/resilience/test_metrics_serve.py",
+    "tests/spark/test_spark.py",
+    "tests/scheduler/test_scheduler.py",
+    "tests/transport/test_crashes.py",
+    "tests/acceptance/test_parallel_waves.py",
+    "tests/resilience/test_accounting.py",
+    "tests/airflow/test_outage.py",
+    "tests/acceptance/test_cli.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's loadfile distribution, the slowest files first (above); a
+    file's own tests keep their order. Other runs keep pytest's order."""
+    if getattr(config.option, "dist", "no") != "loadfile":
+        return
+    rank = {path: i for i, path in enumerate(SLOWEST_FILES)}
+    files = collections.Counter(item.nodeid.split("::")[0] for item in items)
+
+    def order(item: pytest.Item) -> tuple[int, int, str]:
+        path = item.nodeid.split("::")[0]
+        return rank.get(path, len(rank)), -files[path], path
+
+    items.sort(key=order)  # stable: a file's tests stay in their order
 
 
 def _postgres_available() -> str | None:
@@ -43,13 +96,15 @@ def postgres_server() -> str:
     return POSTGRES_ADMIN_URL
 
 
-@pytest.fixture
-def postgres_url(postgres_server: str) -> Iterator[str]:
-    """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
+@contextlib.contextmanager
+def _database(postgres_server: str, template: str | None = None) -> Iterator[str]:
+    """A uniquely named PostgreSQL database (a copy of ``template``, else empty) for the
+    block; dropped afterwards."""
     name = f"scheduler_lib_test_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        copied = f' TEMPLATE "{template}"' if template else ""
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"{copied}')
     try:
         yield sa.make_url(postgres_server).set(database=name).render_as_string(hide_password=False)
     finally:
@@ -59,17 +114,54 @@ def postgres_url(postgres_server: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def postgres_url(postgres_server: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
+    with _database(postgres_server) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def migrated_postgres(postgres_server: str) -> Iterator[str]:
+    """The name of a PostgreSQL database migrated once per test process, that no one
+    connects to: the template of the ``broker`` fixture's databases."""
+    with _database(postgres_server) as url:
+        Broker(url, timers=False).close()  # migrated, and every connection closed
+        yield str(sa.make_url(url).database)
+
+
+@pytest.fixture(scope="session")
+def migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The path of a SQLite file migrated once per test process (closed, so no WAL file
+    is beside it): the ``broker`` fixture's databases are copies of it."""
+    path = tmp_path_factory.mktemp("migrated") / "broker.db"
+    Broker(f"sqlite:///{path}", timers=False).close()
+    assert not os.path.exists(f"{path}-wal"), "the migrated SQLite file kept a WAL file"
+    return str(path)
+
+
+@pytest.fixture
 def sqlite_url(tmp_path: os.PathLike[str]) -> str:
     """A fresh SQLite database file for one test."""
     return f"sqlite:///{os.path.join(tmp_path, 'broker.db')}"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest) -> str:
-    """The URL of a fresh database, once per backend."""
+def db_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The URL of a fresh database, once per backend: empty, or, for a test that uses
+    the ``broker`` fixture (which would migrate it first thing), already migrated."""
+    migrated = "broker" in request.fixturenames
     if request.param == "sqlite":
-        return str(request.getfixturevalue("sqlite_url"))
-    return str(request.getfixturevalue("postgres_url"))
+        url = str(request.getfixturevalue("sqlite_url"))
+        if migrated:
+            template = request.getfixturevalue("migrated_sqlite")
+            shutil.copyfile(template, str(sa.make_url(url).database))
+        yield url
+    elif migrated:
+        server = request.getfixturevalue("postgres_server")
+        with _database(server, template=request.getfixturevalue("migrated_postgres")) as url:
+            yield url
+    else:
+        yield str(request.getfixturevalue("postgres_url"))
 
 
 @pytest.fixture
