@@ -20,9 +20,8 @@ $(STAMP): pyproject.toml constraints.txt
 ## on TEST_WORKERS pytest-xdist workers, a test file each at a time: most of a test's time is
 ## spent waiting on processes it started (Spark, Airflow, servers), so two workers on this
 ## 2-core machine take 20 min where one took 33. TEST_WORKERS=0 runs it in one process.
-## Files go out slowest first (tests/conftest.py's SLOWEST_FILES), not by their number of tests.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
 	$(PY) -m pytest --ignore=tests/stack $(XDIST) --durations=25

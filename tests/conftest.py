@@ -12,7 +12,6 @@ it. Every other test's database starts empty, as a user's does before the first
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import shutil
@@ -28,50 +27,6 @@ POSTGRES_ADMIN_URL = os.environ.get(
     "SCHEDULER_LIB_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-# The test files that take longest (`make test`'s --durations, 2026-12-02), slowest first.
-# Under `--dist loadfile --no-loadscope-reorder` (the Makefile) pytest-xdist hands files to
-# its workers in collection order, so these start first and the run does not end on one
-# of them while the other worker idles: by default it orders files by their number of
-# tests, which left the two-minute demo and the browser tests for the end. A slow file
-# missing here only starts later; the rest follow, most tests first.
-SLOWEST_FILES = (
-    "tests/airflow/test_dags.py",
-    "tests/resilience/test_killed_processes.py",
-    "tests/transport/test_loss.py",
-    "tests/acceptance/test_demo.py",
-    "tests/acceptance/test_run_beside_serve.py",
-    "tests/airflow/test_page_browser.py",
-    "tests/spark/test_worker_processes.py",
-    "tests/acceptance/test_docs_runnable.py",
-    "tests/airflow/test_docs_by_hand.py",
-    "tests/transport/test_faults.py",
-    "tests/acceptance/test_cli_output.py",
-    "tests/airflow/test_standalone.py",
-    "tests/resilience/test_metrics_serve.py",
-    "tests/spark/test_spark.py",
-    "tests/scheduler/test_scheduler.py",
-    "tests/transport/test_crashes.py",
-    "tests/acceptance/test_parallel_waves.py",
-    "tests/resilience/test_accounting.py",
-    "tests/airflow/test_outage.py",
-    "tests/acceptance/test_cli.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist's loadfile distribution, the slowest files first (above); a
-    file's own tests keep their order. Other runs keep pytest's order."""
-    if getattr(config.option, "dist", "no") != "loadfile":
-        return
-    rank = {path: i for i, path in enumerate(SLOWEST_FILES)}
-    files = collections.Counter(item.nodeid.split("::")[0] for item in items)
-
-    def order(item: pytest.Item) -> tuple[int, int, str]:
-        path = item.nodeid.split("::")[0]
-        return rank.get(path, len(rank)), -files[path], path
-
-    items.sort(key=order)  # stable: a file's tests stay in their order
 
 
 def _postgres_available() -> str | None:

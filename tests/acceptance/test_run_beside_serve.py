@@ -26,7 +26,7 @@ NAP = 'waves:\n  - - {kind: python, callable: "time:sleep", args: [0.1], name: n
 WAVES = (
     "waves:\n  - - "
     + "\n    - ".join(
-        f'{{kind: python, callable: "time:sleep", args: [4], name: long{i}}}' for i in range(6)
+        f'{{kind: python, callable: "time:sleep", args: [10], name: long{i}}}' for i in range(6)
     )
     + '\n  - - {kind: python, callable: "time:sleep", args: [0.1], name: after}\n'
 )
@@ -110,7 +110,11 @@ def test_run_sees_a_serve_whose_clock_is_behind(db_url: str, tmp_path: Path) -> 
 def _interrupted_run(
     processes: Processes, url: str, plan: Path
 ) -> tuple[subprocess.Popen[bytes], list[dict[str, Any]]]:
-    """A run of ``plan`` whose first wave is running: four tasks started, two queued."""
+    """A run of ``plan`` whose first wave is running: four tasks started, two queued.
+
+    The tasks sleep 10 s: the two queued ones must still be queued when the interrupt
+    cancels them, which on a loaded machine can be seconds after ``status`` saw them so
+    (with 4-s tasks, CI once saw the first four end and the last two start before it)."""
     run = processes.start("run", "run", str(plan), "--db", url)
 
     def started() -> list[dict[str, Any]] | None:
