@@ -26,12 +26,12 @@ import pytest
 from bench.airflow_standalone import Processes
 from scheduler_lib.broker import Broker
 from tests.stack.harness import SUPERUSER, Stack, worker_submit
-from tests.stack.marks import count
+from tests.stack.marks import count, release
 
 DAG_ID = "stack_burst"
 SERVICE, QUEUE = "ServiceBurst", "QueueBurst"
 IDLE_EXIT = 20  # seconds the launched worker stays without work
-TASK_SECONDS = 75
+TASK_SECONDS = 600  # at most: the test releases the tasks once it has seen both run at once
 START_DEADLINE = 300.0  # seconds for the launched application to come up and take its task
 RUN_DEADLINE = 420.0
 STOP_DEADLINE = 90.0
@@ -83,6 +83,7 @@ def test_a_full_worker_launches_another_application_on_the_cluster(
     )
     processes = Processes(tmp_path / "logs")
     first = processes.start("burst", first_command, env)
+    run_id: str | None = None
     try:
         # Given one worker of one reader serving the target, its launcher listening
         stack.wait(
@@ -97,8 +98,9 @@ def test_a_full_worker_launches_another_application_on_the_cluster(
         }
         (driver,) = drivers(psutil.Process(first.pid))
 
-        # When a wave of two tasks comes, long enough for a launched application to start
-        # (about 40 s: its JVM, its executor, its session's warm-up) while the first runs
+        # When a wave of two tasks comes, held until the test releases them, so that a
+        # launched application has time to start (about 40 s: its JVM, its executor, its
+        # session's warm-up) while the first runs
         stack.api.wait_dag(DAG_ID, check=stack.check_alive)
         stack.api.unpause(DAG_ID)
         run_id = stack.api.trigger(DAG_ID, {"marks": str(stack.marks), "seconds": TASK_SECONDS})[
@@ -120,6 +122,7 @@ def test_a_full_worker_launches_another_application_on_the_cluster(
         assert launched_pid in {p.pid for p in drivers(psutil.Process(first.pid))}
         apps = [a for a in stack.spark_master()["activeapps"] if a["state"] == "RUNNING"]
         assert len(apps) == 4, apps  # the stack's two, the first burst worker, the launched
+        release(stack.marks, run_id)
 
         run = stack.api.wait_run(DAG_ID, run_id, RUN_DEADLINE, check=stack.check_alive)
         assert run["state"] == "success", stack.api.task_instances(DAG_ID, run_id)
@@ -144,6 +147,8 @@ def test_a_full_worker_launches_another_application_on_the_cluster(
         # Then the launch set-up it made is gone with it
         assert launch_setup(stack) == {"queues": set(), "services": set(), "notifications": set()}
     finally:
+        if run_id is not None:  # a failed check must not leave the tasks holding the stack
+            release(stack.marks, run_id)
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
         processes.stop_all()
