@@ -36,7 +36,7 @@ stack-test: $(STAMP)
 
 ## The provider's tests (and the transport's over TLS) on the lowest Airflow and Python that
 ## pyproject.toml declares, in a venv of their own pinned by constraints-lowest.txt (.ci/run
-## runs it after `make test`). The package is installed as users install it (`pip install .`,
+## runs it after `make test`, beside `make stack-test`). The package is installed as users install it (`pip install .`,
 ## not editable), again on every run. The provider's tests run on PostgreSQL only here: what
 ## this run proves is Airflow's and Python's lower bound, which the database does not change,
 ## and `make test` runs each of them on both databases (without the SQLite copies this run
